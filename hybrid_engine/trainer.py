@@ -1,0 +1,273 @@
+"""The driver: one training step as four calls, and a plain in-process loop around them.
+
+    batch = engine.rollout(step)      # prompts -> n sampled responses each
+    batch = engine.reward(batch)      # responses -> token-level scores
+    batch = engine.advantage(batch)   # old/ref log-probs, values, KL, advantages
+    result = engine.update(batch)     # critic then actor update; weights version += 1
+
+Every stage takes and returns a `Batch`; its metrics travel in `batch.meta["metrics"]`.
+The Prefect tasks call exactly these four methods.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from hybrid_engine.algorithms.advantages import compute_advantage
+from hybrid_engine.algorithms.losses import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+)
+from hybrid_engine.algorithms.utils import masked_mean
+from hybrid_engine.batch import Batch
+from hybrid_engine.config import HybridConfig
+from hybrid_engine.data import PromptData, prompt_batch
+from hybrid_engine.models import load_tokenizer
+from hybrid_engine.rewards import RewardScorer, token_level_scores
+from hybrid_engine.rollout import SamplingParams
+from hybrid_engine.workers import ActorRolloutRef, Critic
+
+
+@contextmanager
+def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step) % 2**63
+
+
+class Engine:
+    """Holds the roles (actor/rollout/ref, critic), the data and the scorer."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        self.cfg = cfg
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.data = PromptData(cfg.data)
+        self.scorer = RewardScorer(
+            cfg.reward.function, cfg.reward.answer_format, cfg.data.task_config
+        )
+        self.actor = ActorRolloutRef(cfg, self.tokenizer)
+        self.critic = Critic(cfg, self.tokenizer) if cfg.use_critic else None
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (
+            AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+            if k.type == "adaptive"
+            else FixedKLController(k.kl_coef)
+        )
+
+    @property
+    def on_policy_single_update(self) -> bool:
+        """One optimizer step on data from the current weights: the old log-probs equal the
+        new ones before that step, so the update takes them from its own forward pass
+        (detached) instead of a separate one. KL-in-reward still needs them up front."""
+        a = self.cfg.actor
+        return (
+            a.ppo_epochs == 1
+            and a.ppo_mini_batch_size == self.cfg.samples_per_step
+            and not self.cfg.algorithm.use_kl_in_reward
+        )
+
+    # -------------------------------------------------------------- 1. rollout
+    def rollout(self, step: int) -> Batch:
+        r = self.cfg.rollout
+        metrics: dict[str, float] = {}
+        prompts = prompt_batch(
+            self.data.step_rows(step), self.tokenizer, self.cfg.data.max_prompt_length
+        )
+        prompts["uid"] = [f"{step}-{i}" for i in range(len(prompts))]
+        sampling = SamplingParams(
+            r.max_new_tokens,
+            r.temperature,
+            r.top_p,
+            r.top_k,
+            step_seed(self.cfg.trainer.seed, step),
+        )
+        with timer(metrics, "gen"):
+            batch = self.actor.generate(prompts.repeat_interleave(r.n), sampling)
+        if self.cfg.algorithm.adv_estimator == "remax":
+            with timer(metrics, "gen_baseline"):
+                greedy = self.actor.generate(prompts, SamplingParams(r.max_new_tokens, 0.0))
+            greedy = greedy.repeat_interleave(r.n)
+            batch["baseline_response_ids"] = greedy["response_ids"]
+            batch["baseline_response_mask"] = greedy["response_mask"]
+        metrics["perf/tokens_per_s_rollout"] = batch.meta["gen_tokens_per_s"]
+        batch.meta.update(step=step, metrics=metrics)
+        return batch
+
+    # --------------------------------------------------------------- 2. reward
+    def reward(self, batch: Batch) -> Batch:
+        metrics: dict[str, float] = {}
+        with timer(metrics, "reward"):
+            scores = self._score(batch, "response_ids", "response_mask")
+            batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])
+            if "baseline_response_ids" in batch:
+                base = self._score(batch, "baseline_response_ids", "baseline_response_mask")
+                batch["reward_baselines"] = torch.tensor(base, dtype=torch.float32)
+        metrics["critic/score/mean"] = sum(scores) / len(scores)
+        metrics["critic/score/max"] = max(scores)
+        metrics["critic/score/min"] = min(scores)
+        batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
+        return batch
+
+    def _score(self, batch: Batch, ids_key: str, mask_key: str) -> list[float]:
+        ids, mask = batch[ids_key], batch[mask_key]
+        completions = [
+            self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+            for row, m in zip(ids, mask, strict=True)
+        ]
+        prompts = [self.tokenizer.apply_chat_template(p, tokenize=False) for p in batch["prompt"]]
+        rows = [
+            {"data_source": d, "ground_truth": g, "extra_info": e, "prompt": p}
+            for d, g, e, p in zip(
+                batch["data_source"], batch["ground_truth"], batch["extra_info"], batch["prompt"],
+                strict=True,
+            )
+        ]  # fmt: skip
+        return self.scorer.score(prompts, completions, rows)
+
+    # ------------------------------------------------------------ 3. advantage
+    def advantage(self, batch: Batch) -> Batch:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        if not self.on_policy_single_update:
+            with timer(metrics, "old_log_prob"):
+                batch = batch.union(self.actor.compute_log_prob(batch))
+        if cfg.use_reference:
+            with timer(metrics, "ref"):
+                batch = batch.union(self.actor.compute_ref_log_prob(batch))
+        if self.critic is not None:
+            with timer(metrics, "values"):
+                batch = batch.union(self.critic.compute_values(batch))
+        with timer(metrics, "adv"):
+            mask = batch["response_mask"]
+            if alg.use_kl_in_reward:
+                rewards, kl = apply_kl_penalty(
+                    batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                    mask, self.kl_ctrl.value, alg.kl_penalty,
+                )  # fmt: skip
+                metrics["actor/reward_kl_penalty"] = float(kl)
+                metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
+                self.kl_ctrl.update(float(kl), cfg.data.train_batch_size)
+            else:
+                rewards = batch["token_level_scores"]
+            adv, ret = compute_advantage(
+                alg.adv_estimator,
+                token_level_rewards=rewards,
+                response_mask=mask,
+                index=batch["uid"],
+                values=batch.tensors.get("values"),
+                reward_baselines=batch.tensors.get("reward_baselines"),
+                gamma=alg.gamma,
+                lam=alg.lam,
+                norm_by_std=alg.norm_adv_by_std_in_grpo,
+            )
+        batch["token_level_rewards"] = rewards
+        batch["advantages"] = adv
+        batch["returns"] = ret
+        metrics["critic/rewards/mean"] = float(rewards.sum(-1).mean())
+        metrics["critic/advantages/mean"] = float(masked_mean(adv, mask))
+        metrics["critic/returns/mean"] = float(masked_mean(ret, mask))
+        batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
+        return batch
+
+    # --------------------------------------------------------------- 4. update
+    def update(self, batch: Batch) -> Batch:
+        """Critic first, then actor. Returns an empty batch whose meta holds the metrics."""
+        metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer(metrics, "update_critic"):
+                metrics |= self.critic.update_critic(batch)
+        with timer(metrics, "update_actor"):
+            metrics |= self.actor.update_actor(batch)
+        metrics["weights_version"] = self.actor.weights_version
+        metrics |= batch_stats(batch, self.cfg.rollout.max_new_tokens)
+        metrics = {**batch.meta.get("metrics", {}), **metrics}
+        return Batch(meta={"step": batch.meta.get("step"), "metrics": metrics})
+
+    # ----------------------------------------------------------------- driver
+    def step(self, step: int) -> dict[str, float]:
+        """One full step; returns its metrics."""
+        start = time.perf_counter()
+        result = self.update(self.advantage(self.reward(self.rollout(step))))
+        metrics = dict(result.meta["metrics"])
+        metrics["timing_s/step"] = time.perf_counter() - start
+        metrics["perf/throughput"] = metrics.pop("_tokens") / metrics["timing_s/step"]
+        metrics["perf/peak_rss_gb"] = peak_rss_gb()
+        return metrics
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Greedy (by default) generation on the held-out rows; accuracy = share scored 1."""
+        rows = self.data.val
+        if not rows:
+            return {}
+        v, r = self.cfg.rollout.val, self.cfg.rollout
+        sampling = SamplingParams(
+            v.max_new_tokens or r.max_new_tokens, v.temperature, r.top_p, r.top_k,
+            step_seed(self.cfg.trainer.seed, -1),
+        )  # fmt: skip
+        start = time.perf_counter()
+        batch = self.actor.generate(
+            prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length), sampling
+        )
+        scores = self._score(batch, "response_ids", "response_mask")
+        return {
+            "val/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
+            "val/score/mean": sum(scores) / len(scores),
+            "val/response_length/mean": float(batch["response_mask"].sum(-1).float().mean()),
+            "timing_s/val": time.perf_counter() - start,
+        }
+
+
+def batch_stats(batch: Batch, max_new_tokens: int) -> dict[str, float]:
+    """Lengths; clip_ratio = share of responses cut at max_new_tokens (no EOS)."""
+    lengths = batch["response_mask"].sum(-1).float()
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+        "prompt_length/mean": float(batch["prompt_mask"].sum(-1).float().mean()),
+        "_tokens": float(batch["attention_mask"].sum()),
+    }
+
+
+def train(
+    cfg: HybridConfig,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    engine: Engine | None = None,
+) -> tuple[Engine, list[dict[str, float]]]:
+    """The plain in-process loop: validate, N steps (validating every test_freq), validate."""
+    engine = engine or Engine(cfg)
+    t = cfg.trainer
+    history: list[dict[str, float]] = []
+    if t.val_before_train:
+        val = engine.validate()
+        if on_step:
+            on_step(0, val)
+        history.append({"step": 0, **val})
+    for step in range(1, t.total_training_steps + 1):
+        metrics = engine.step(step)
+        last = step == t.total_training_steps
+        if last or (t.test_freq and step % t.test_freq == 0):
+            metrics |= engine.validate()
+        if on_step:
+            on_step(step, metrics)
+        history.append({"step": step, **metrics})
+    return engine, history

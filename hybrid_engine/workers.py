@@ -1,0 +1,240 @@
+"""The engine's roles: `ActorRolloutRef` (policy + rollout + frozen reference) and `Critic`.
+
+Each role owns its models and optimizer and exposes the stage operations the driver calls:
+generate, compute_log_prob, compute_ref_log_prob, update_actor / compute_values,
+update_critic. Batches go in and come out; nothing here knows about processes, storage or
+orchestration, so the same classes run in-process (here) or inside Ray actors.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from hybrid_engine.algorithms.losses import agg_loss, kl_penalty, policy_loss, value_loss
+from hybrid_engine.algorithms.utils import masked_mean
+from hybrid_engine.batch import Batch
+from hybrid_engine.config import CriticConfig, HybridConfig, OptimConfig
+from hybrid_engine.models import (
+    load_critic,
+    load_policy,
+    position_ids_from_mask,
+    response_log_probs,
+)
+from hybrid_engine.rollout import HFRollout, SamplingParams
+
+
+def make_optimizer(
+    params: list[nn.Parameter], cfg: OptimConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a linear warm-up over `cfg.warmup_steps` optimizer steps."""
+    opt = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    warmup = cfg.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+    )
+    return opt, sched
+
+
+def trim(batch: Batch) -> tuple[Batch, int, int]:
+    """Drop columns that are padding in every row: left of the longest prompt, right of the
+    longest response. Returns the trimmed (input_ids, attention_mask, response_mask) batch,
+    the kept response length and the original one."""
+    response_mask = batch["response_mask"]
+    resp_len = response_mask.shape[1]
+    keep_resp = max(1, int(response_mask.any(0).nonzero().max()) + 1) if response_mask.any() else 1
+    prompt_len = batch["input_ids"].shape[1] - resp_len
+    first = int(batch["attention_mask"][:, :prompt_len].any(0).nonzero().min())
+    end = prompt_len + keep_resp
+    t = {
+        "input_ids": batch["input_ids"][:, first:end],
+        "attention_mask": batch["attention_mask"][:, first:end],
+        "response_mask": response_mask[:, :keep_resp],
+    }
+    return Batch(t), keep_resp, resp_len
+
+
+def pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, length - t.shape[1]))
+
+
+def micro_batches(batch: Batch, size: int, fn: Callable[[Batch], dict[str, torch.Tensor]]) -> Batch:
+    """Apply `fn` to trimmed micro-batches; re-pad its (micro, resp) outputs and concatenate."""
+    outs: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for micro in batch.split(size):
+        small, _, full = trim(micro)
+        for k, v in fn(small).items():
+            outs[k].append(pad_to(v, full))
+    return Batch({k: torch.cat(v) for k, v in outs.items()})
+
+
+class ActorRolloutRef:
+    """Policy in training layout, the rollout engine on the same weights, and the reference."""
+
+    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.cfg = cfg
+        self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
+        self.ref = None
+        if cfg.use_reference:
+            self.ref = copy.deepcopy(self.policy).requires_grad_(False)
+        self.optimizer, self.scheduler = make_optimizer(
+            list(self.policy.parameters()), cfg.actor.optim
+        )
+        # One rank on CPU: the rollout engine generates with the training module itself.
+        self.rollout = HFRollout(
+            self.policy,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            cfg.rollout.micro_batch_size,
+        )
+        self.weights_version = 0
+
+    # ------------------------------------------------------------------ rollout
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        return self.rollout.generate(batch, sampling)
+
+    # ---------------------------------------------------------------- log-probs
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """`old_log_probs` and `entropy` of the current policy on the batch's responses."""
+        return self._log_probs(self.policy, batch, "old_log_probs", entropy=True)
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            raise RuntimeError("no reference model: set actor.use_kl_loss or use_kl_in_reward")
+        return self._log_probs(self.ref, batch, "ref_log_prob", entropy=False)
+
+    def _log_probs(self, model: nn.Module, batch: Batch, key: str, entropy: bool) -> Batch:
+        temp = self.cfg.rollout.temperature or 1.0
+
+        def fn(mb: Batch) -> dict[str, torch.Tensor]:
+            n = mb["response_mask"].shape[1]
+            logp, ent = response_log_probs(
+                model, mb["input_ids"], mb["attention_mask"], n, temp, with_entropy=entropy
+            )
+            return {key: logp, "entropy": ent} if entropy else {key: logp}
+
+        return micro_batches(batch, self.cfg.actor.log_prob_micro_batch_size, fn)
+
+    # ------------------------------------------------------------------- update
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated)."""
+        a = self.cfg.actor
+        temp = self.cfg.rollout.temperature or 1.0
+        use_kl = a.use_kl_loss
+        if use_kl and "ref_log_prob" not in batch:
+            raise ValueError("actor.use_kl_loss needs ref_log_prob in the batch")
+        sums: dict[str, list[float]] = defaultdict(list)
+        self.policy.train()
+        for _ in range(a.ppo_epochs):
+            for mini in batch.split(a.ppo_mini_batch_size):
+                weights = _micro_weights(mini, a.ppo_micro_batch_size, a.loss_agg_mode)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro, w in zip(mini.split(a.ppo_micro_batch_size), weights, strict=True):
+                    small, keep, _ = trim(micro)
+                    mask = small["response_mask"]
+                    logp, ent = response_log_probs(
+                        self.policy, small["input_ids"], small["attention_mask"], keep, temp,
+                        with_entropy=True,
+                    )  # fmt: skip
+                    # Without stored old log-probs the data is on-policy (see Engine).
+                    old = micro.tensors.get("old_log_probs")
+                    old = logp.detach() if old is None else old[:, :keep]
+                    pg, clipfrac, ppo_kl, clip_lower = policy_loss(
+                        old, logp, micro["advantages"][:, :keep], mask,
+                        a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
+                    )  # fmt: skip
+                    entropy = agg_loss(ent, mask, a.loss_agg_mode)
+                    loss = pg - a.entropy_coeff * entropy
+                    if use_kl:
+                        kl = kl_penalty(logp, micro["ref_log_prob"][:, :keep], a.kl_loss_type)
+                        kl_loss = agg_loss(kl, mask, a.loss_agg_mode)
+                        loss = loss + a.kl_loss_coef * kl_loss
+                        sums["actor/kl_loss"].append(kl_loss.item())
+                    (loss * w).backward()
+                    sums["actor/pg_loss"].append(pg.item())
+                    sums["actor/pg_clipfrac"].append(clipfrac.item())
+                    sums["actor/pg_clipfrac_lower"].append(clip_lower.item())
+                    sums["actor/ppo_kl"].append(ppo_kl.item())
+                    sums["actor/entropy"].append(entropy.item())
+                grad_norm = nn.utils.clip_grad_norm_(self.policy.parameters(), a.optim.grad_clip)
+                sums["actor/grad_norm"].append(grad_norm.item())
+                sums["actor/lr"].append(self.scheduler.get_last_lr()[0])
+                self.optimizer.step()
+                self.scheduler.step()
+        self.policy.eval()
+        self.weights_version += 1
+        return {k: sum(v) / len(v) for k, v in sums.items()}
+
+
+def _micro_weights(mini: Batch, micro_size: int, loss_agg_mode: str) -> list[float]:
+    """Loss weight of each micro-batch so that the accumulated gradient equals the gradient
+    of the mini-batch's loss: token share for token-mean, sequence share otherwise."""
+    mask = mini["response_mask"]
+    if loss_agg_mode == "token-mean":
+        counts = [float(m.sum()) for m in mask.split(micro_size)]
+    elif loss_agg_mode == "seq-mean-token-mean":
+        counts = [float(m.any(-1).sum()) for m in mask.split(micro_size)]
+    else:
+        counts = [float(m.shape[0]) for m in mask.split(micro_size)]
+    total = sum(counts) or 1.0
+    return [c / total for c in counts]
+
+
+class Critic:
+    """Value model V(s_t) trained on the returns with a clipped value loss."""
+
+    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.cfg: CriticConfig = cfg.critic
+        self.model = load_critic(cfg.model, cfg.critic.model_path, tokenizer, cfg.trainer.seed)
+        self.optimizer, self.scheduler = make_optimizer(
+            list(self.model.parameters()), cfg.critic.optim
+        )
+        self.log_prob_micro_batch_size = cfg.actor.log_prob_micro_batch_size
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        n = mb["response_mask"].shape[1]
+        am = mb["attention_mask"]
+        v = self.model(mb["input_ids"], am, position_ids_from_mask(am), keep=n + 1)[:, :-1]
+        return v * mb["response_mask"]
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        return micro_batches(
+            batch, self.log_prob_micro_batch_size, lambda mb: {"values": self._values(mb)}
+        )
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        c = self.cfg
+        sums: dict[str, list[float]] = defaultdict(list)
+        self.model.train()
+        for _ in range(c.ppo_epochs):
+            for mini in batch.split(c.ppo_mini_batch_size):
+                weights = _micro_weights(mini, c.ppo_micro_batch_size, c.loss_agg_mode)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro, w in zip(mini.split(c.ppo_micro_batch_size), weights, strict=True):
+                    small, keep, _ = trim(micro)
+                    vpreds = self._values(small)
+                    vf_loss, vf_clipfrac = value_loss(
+                        vpreds, micro["values"][:, :keep], micro["returns"][:, :keep],
+                        small["response_mask"], c.cliprange_value, c.loss_agg_mode,
+                    )  # fmt: skip
+                    (vf_loss * w).backward()
+                    sums["critic/vf_loss"].append(vf_loss.item())
+                    sums["critic/vf_clipfrac"].append(vf_clipfrac.item())
+                    vpred_mean = masked_mean(vpreds.detach(), small["response_mask"])
+                    sums["critic/vpred_mean"].append(vpred_mean.item())
+                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip)
+                sums["critic/grad_norm"].append(grad_norm.item())
+                self.optimizer.step()
+                self.scheduler.step()
+        self.model.eval()
+        return {k: sum(v) / len(v) for k, v in sums.items()}

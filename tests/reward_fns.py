@@ -1,0 +1,30 @@
+"""User reward functions for the tests (`reward.function: reward_fns:<name>`)."""
+
+import math
+
+
+def digit_share(prompts, completions, rows):
+    """Share of digit characters: varies across random completions, so GRPO gets a signal."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def length_score(prompts, completions, rows):
+    return [len(text) / 100 for text in completions]
+
+
+def fails_on_x(prompts, completions, rows):
+    if any(row["ground_truth"] == "x" for row in rows):
+        raise ValueError("cannot score x")
+    return [1.0 for _ in completions]
+
+
+def returns_nan(prompts, completions, rows):
+    return [1.0] * (len(completions) - 1) + [math.nan]
+
+
+def returns_none(prompts, completions, rows):
+    return [None for _ in completions]
+
+
+def returns_too_few(prompts, completions, rows):
+    return [1.0]

@@ -1,0 +1,87 @@
+import pytest
+
+from hybrid_engine.config import ConfigError, flatten, load_config, parse_overrides
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("HYBRIDRL_") and k != "HYBRIDRL_CACHE":
+            monkeypatch.delenv(k)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_precedence_defaults_yaml_env_override(tmp_path, monkeypatch):
+    p = write(tmp_path, "actor:\n  optim: {lr: 2.0e-5, weight_decay: 0.1}\nrollout: {n: 8}\n")
+    assert load_config().actor.optim.lr == 1e-5  # default
+    cfg = load_config(p)
+    assert (cfg.actor.optim.lr, cfg.actor.optim.weight_decay, cfg.rollout.n) == (2e-5, 0.1, 8)
+    monkeypatch.setenv("HYBRIDRL_ACTOR__OPTIM__LR", "3e-5")
+    cfg = load_config(p)
+    assert cfg.actor.optim.lr == 3e-5  # env beats YAML
+    assert cfg.actor.optim.weight_decay == 0.1  # ...without wiping the YAML's siblings
+    cfg = load_config(p, ["actor.optim.lr=1e-6"])
+    assert cfg.actor.optim.lr == 1e-6  # override beats env
+    assert cfg.rollout.n == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["actor.optim.lrr=1"], "unknown key 'actor.optim.lrr'"),
+        (["nosection.x=1"], "unknown key 'nosection'"),
+        (["rollout.n=many"], "rollout.n='many'"),
+        (["actor.optim.lr=-1"], "actor.optim.lr=-1"),
+        (["algorithm.adv_estimator=ppo2"], "algorithm.adv_estimator='ppo2'"),
+        (["actor.ppo_mini_batch_size=12"], "actor.ppo_mini_batch_size=12 must divide"),
+        (["actor.ppo_micro_batch_size=5"], "actor.ppo_micro_batch_size=5 must divide"),
+        (["rollout.n=1"], "rollout.n=1"),
+        (["rollout.n"], "not of the form"),
+    ],
+)
+def test_errors_name_key_and_value(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value)
+
+
+def test_critic_sizes_checked_only_with_gae():
+    load_config(None, ["critic.ppo_mini_batch_size=7"])  # grpo: no critic, no check
+    with pytest.raises(ConfigError, match="critic.ppo_mini_batch_size=7"):
+        load_config(None, ["critic.ppo_mini_batch_size=7", "algorithm.adv_estimator=gae"])
+
+
+def test_unknown_key_in_yaml_and_env(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="unknown key 'trainer.epochs'"):
+        load_config(write(tmp_path, "trainer: {epochs: 3}\n"))
+    monkeypatch.setenv("HYBRIDRL_TRAINER__BOGUS", "1")
+    with pytest.raises(ConfigError, match="unknown key 'trainer.bogus'"):
+        load_config()
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_presets_load():
+    for name in ("demo_cpu", "grpo_tiny", "ppo_tiny"):
+        cfg = load_config(f"configs/{name}.yaml")
+        assert cfg.samples_per_step % cfg.actor.ppo_mini_batch_size == 0
+    assert load_config("configs/ppo_tiny.yaml").use_critic
+    assert load_config("configs/demo_cpu.yaml").model.path == "smollm2-135m-instruct"
+
+
+def test_parse_overrides_and_flatten():
+    assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
+    flat = flatten(load_config(None, ["actor.optim.lr=1e-6"]))
+    assert flat["actor.optim.lr"] == 1e-6 and "trainer.seed" in flat

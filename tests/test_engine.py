@@ -1,0 +1,128 @@
+"""One-step behaviour of the engine on the tiny model (seconds each)."""
+
+import math
+
+import pytest
+import torch
+
+from hybrid_engine.config import load_config
+from hybrid_engine.trainer import Engine, train
+
+# A reward that varies across random completions, so every group has a learning signal.
+SIGNAL = "reward.function=reward_fns:length_score"
+
+
+def params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def assert_all_changed(before, after):
+    same = [k for k in before if torch.equal(before[k], after[k])]
+    assert not same, f"parameters not updated: {same}"
+
+
+def test_grpo_step_updates_every_parameter():
+    engine = Engine(load_config("configs/grpo_tiny.yaml", [SIGNAL]))
+    before = params(engine.actor.policy)
+    batch = engine.rollout(1)
+    assert len(batch) == 16 and len(set(batch["uid"])) == 4
+    batch = engine.advantage(engine.reward(batch))
+    adv = batch["advantages"]
+    assert adv.abs().sum() > 0 and torch.all(adv[batch["response_mask"] == 0] == 0)
+    result = engine.update(batch)
+    assert_all_changed(before, params(engine.actor.policy))
+    m = result.meta["metrics"]
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
+                "response_length/mean", "timing_s/gen", "timing_s/update_actor"):  # fmt: skip
+        assert math.isfinite(m[key]), key
+    assert engine.actor.weights_version == 1 and engine.actor.ref is None
+
+
+def test_ppo_step_updates_actor_and_critic_and_leaves_reference():
+    engine = Engine(load_config("configs/ppo_tiny.yaml", [SIGNAL]))
+    actor, critic = params(engine.actor.policy), params(engine.critic.model)
+    ref = params(engine.actor.ref)
+    assert all(torch.equal(actor[k], ref[k]) for k in actor)  # reference starts as the policy
+    metrics = engine.step(1)
+    assert_all_changed(actor, params(engine.actor.policy))
+    assert_all_changed(critic, params(engine.critic.model))
+    assert all(torch.equal(ref[k], v) for k, v in params(engine.actor.ref).items())
+    assert not any(p.requires_grad for p in engine.actor.ref.parameters())
+    for key in ("critic/vf_loss", "actor/kl_loss", "timing_s/values", "timing_s/ref",
+                "timing_s/old_log_prob", "perf/throughput", "perf/peak_rss_gb"):  # fmt: skip
+        assert math.isfinite(metrics[key]), key
+
+
+def state(engine):
+    return {k: v.clone() for k, v in engine.actor.policy.state_dict().items()}
+
+
+def test_same_seed_gives_bit_identical_weights():
+    runs = []
+    for seed in (5, 5, 6):
+        cfg = load_config("configs/grpo_tiny.yaml", [SIGNAL, f"trainer.seed={seed}"])
+        engine, history = train(cfg)
+        runs.append((state(engine), history[-1]))
+    (a, ma), (b, mb), (c, _) = runs
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert ma["critic/score/mean"] == mb["critic/score/mean"]
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_micro_batching_does_not_change_the_update():
+    out = []
+    for micro in (2, 8):
+        cfg = load_config(
+            "configs/grpo_tiny.yaml",
+            [SIGNAL, f"actor.ppo_micro_batch_size={micro}", "trainer.total_training_steps=1"],
+        )
+        engine, _ = train(cfg)
+        out.append(state(engine))
+    for k in out[0]:
+        torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "remax"])
+def test_other_estimators_run_a_step(estimator):
+    cfg = load_config("configs/grpo_tiny.yaml", [SIGNAL, f"algorithm.adv_estimator={estimator}"])
+    engine = Engine(cfg)
+    before = params(engine.actor.policy)
+    batch = engine.reward(engine.rollout(1))
+    if estimator == "remax":
+        assert batch["reward_baselines"].shape == (16,)
+    metrics = engine.update(engine.advantage(batch)).meta["metrics"]
+    assert math.isfinite(metrics["actor/pg_loss"])
+    assert_all_changed(before, params(engine.actor.policy))
+
+
+def test_kl_in_reward_with_adaptive_controller():
+    cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        [SIGNAL, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+         "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.01",
+         "algorithm.kl_penalty=low_var_kl"],
+    )  # fmt: skip
+    engine = Engine(cfg)
+    assert engine.actor.ref is not None and not engine.on_policy_single_update
+    m1 = engine.step(1)
+    m2 = engine.step(2)
+    assert m1["actor/reward_kl_penalty_coeff"] == 0.1
+    assert m2["actor/reward_kl_penalty"] > 0  # the policy moved away from the reference
+    assert m2["actor/reward_kl_penalty_coeff"] != 0.1  # the controller adapted
+
+
+def test_on_policy_shortcut_matches_recomputed_old_log_probs():
+    """Skipping the old-log-prob pass (one update per batch) must not change the result."""
+    out = []
+    for epochs in ("1", "1+recompute"):
+        cfg = load_config("configs/grpo_tiny.yaml", [SIGNAL, "actor.ppo_mini_batch_size=16"])
+        engine = Engine(cfg)
+        batch = engine.reward(engine.rollout(1))
+        if epochs == "1+recompute":
+            batch = batch.union(engine.actor.compute_log_prob(batch))
+        batch = engine.advantage(batch)
+        assert ("old_log_probs" in batch) == (epochs == "1+recompute")
+        engine.update(batch)
+        out.append(state(engine))
+    for k in out[0]:
+        torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-4, atol=1e-6)
