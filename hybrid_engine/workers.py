@@ -126,53 +126,81 @@ class ActorRolloutRef:
 
     # ------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO epochs x mini-batches (one optimizer step each) x micro-batches (accumulated)."""
+        """PPO-clip policy update (+ entropy bonus, + KL loss to the reference)."""
         a = self.cfg.actor
         temp = self.cfg.rollout.temperature or 1.0
-        use_kl = a.use_kl_loss
-        if use_kl and "ref_log_prob" not in batch:
+        if a.use_kl_loss and "ref_log_prob" not in batch:
             raise ValueError("actor.use_kl_loss needs ref_log_prob in the batch")
-        sums: dict[str, list[float]] = defaultdict(list)
-        self.policy.train()
-        for _ in range(a.ppo_epochs):
-            for mini in batch.split(a.ppo_mini_batch_size):
-                weights = _micro_weights(mini, a.ppo_micro_batch_size, a.loss_agg_mode)
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro, w in zip(mini.split(a.ppo_micro_batch_size), weights, strict=True):
-                    small, keep, _ = trim(micro)
-                    mask = small["response_mask"]
-                    logp, ent = response_log_probs(
-                        self.policy, small["input_ids"], small["attention_mask"], keep, temp,
-                        with_entropy=True,
-                    )  # fmt: skip
-                    # Without stored old log-probs the data is on-policy (see Engine).
-                    old = micro.tensors.get("old_log_probs")
-                    old = logp.detach() if old is None else old[:, :keep]
-                    pg, clipfrac, ppo_kl, clip_lower = policy_loss(
-                        old, logp, micro["advantages"][:, :keep], mask,
-                        a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
-                    )  # fmt: skip
-                    entropy = agg_loss(ent, mask, a.loss_agg_mode)
-                    loss = pg - a.entropy_coeff * entropy
-                    if use_kl:
-                        kl = kl_penalty(logp, micro["ref_log_prob"][:, :keep], a.kl_loss_type)
-                        kl_loss = agg_loss(kl, mask, a.loss_agg_mode)
-                        loss = loss + a.kl_loss_coef * kl_loss
-                        sums["actor/kl_loss"].append(kl_loss.item())
-                    (loss * w).backward()
-                    sums["actor/pg_loss"].append(pg.item())
-                    sums["actor/pg_clipfrac"].append(clipfrac.item())
-                    sums["actor/pg_clipfrac_lower"].append(clip_lower.item())
-                    sums["actor/ppo_kl"].append(ppo_kl.item())
-                    sums["actor/entropy"].append(entropy.item())
-                grad_norm = nn.utils.clip_grad_norm_(self.policy.parameters(), a.optim.grad_clip)
-                sums["actor/grad_norm"].append(grad_norm.item())
-                sums["actor/lr"].append(self.scheduler.get_last_lr()[0])
-                self.optimizer.step()
-                self.scheduler.step()
-        self.policy.eval()
+
+        def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[torch.Tensor, dict]:
+            mask = small["response_mask"]
+            logp, ent = response_log_probs(
+                self.policy, small["input_ids"], small["attention_mask"], keep, temp, True
+            )
+            # Without stored old log-probs the data is on-policy (see Engine).
+            old = micro.tensors.get("old_log_probs")
+            old = logp.detach() if old is None else old[:, :keep]
+            pg, clipfrac, ppo_kl, clip_lower = policy_loss(
+                old, logp, micro["advantages"][:, :keep], mask,
+                a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
+            )  # fmt: skip
+            entropy = agg_loss(ent, mask, a.loss_agg_mode)
+            loss = pg - a.entropy_coeff * entropy
+            stats = {"actor/pg_loss": pg, "actor/pg_clipfrac": clipfrac,
+                     "actor/pg_clipfrac_lower": clip_lower, "actor/ppo_kl": ppo_kl,
+                     "actor/entropy": entropy}  # fmt: skip
+            if a.use_kl_loss:
+                kl = kl_penalty(logp, micro["ref_log_prob"][:, :keep], a.kl_loss_type)
+                stats["actor/kl_loss"] = agg_loss(kl, mask, a.loss_agg_mode)
+                loss = loss + a.kl_loss_coef * stats["actor/kl_loss"]
+            return loss, stats
+
+        metrics = ppo_updates(
+            self.policy, self.optimizer, self.scheduler, batch, loss_fn, "actor",
+            a.ppo_epochs, a.ppo_mini_batch_size, a.ppo_micro_batch_size, a.loss_agg_mode,
+            a.optim.grad_clip,
+        )  # fmt: skip
         self.weights_version += 1
-        return {k: sum(v) / len(v) for k, v in sums.items()}
+        return metrics
+
+
+def ppo_updates(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    batch: Batch,
+    loss_fn: Callable[[Batch, Batch, int], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    prefix: str,
+    epochs: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    loss_agg_mode: str,
+    grad_clip: float,
+) -> dict[str, float]:
+    """epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
+
+    `loss_fn(micro, trimmed micro, kept response length)` returns the micro-batch's loss and
+    its statistics; metrics are their means, plus `<prefix>/grad_norm` and `<prefix>/lr`.
+    """
+    sums: dict[str, list[float]] = defaultdict(list)
+    model.train()
+    for _ in range(epochs):
+        for mini in batch.split(mini_batch_size):
+            weights = _micro_weights(mini, micro_batch_size, loss_agg_mode)
+            optimizer.zero_grad(set_to_none=True)
+            for micro, w in zip(mini.split(micro_batch_size), weights, strict=True):
+                small, keep, _ = trim(micro)
+                loss, stats = loss_fn(micro, small, keep)
+                (loss * w).backward()
+                for k, v in stats.items():
+                    sums[k].append(float(v.detach()))
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            sums[f"{prefix}/grad_norm"].append(float(grad_norm))
+            sums[f"{prefix}/lr"].append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+    model.eval()
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 def _micro_weights(mini: Batch, micro_size: int, loss_agg_mode: str) -> list[float]:
@@ -213,28 +241,21 @@ class Critic:
         )
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
+        """Clipped value regression onto the returns."""
         c = self.cfg
-        sums: dict[str, list[float]] = defaultdict(list)
-        self.model.train()
-        for _ in range(c.ppo_epochs):
-            for mini in batch.split(c.ppo_mini_batch_size):
-                weights = _micro_weights(mini, c.ppo_micro_batch_size, c.loss_agg_mode)
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro, w in zip(mini.split(c.ppo_micro_batch_size), weights, strict=True):
-                    small, keep, _ = trim(micro)
-                    vpreds = self._values(small)
-                    vf_loss, vf_clipfrac = value_loss(
-                        vpreds, micro["values"][:, :keep], micro["returns"][:, :keep],
-                        small["response_mask"], c.cliprange_value, c.loss_agg_mode,
-                    )  # fmt: skip
-                    (vf_loss * w).backward()
-                    sums["critic/vf_loss"].append(vf_loss.item())
-                    sums["critic/vf_clipfrac"].append(vf_clipfrac.item())
-                    vpred_mean = masked_mean(vpreds.detach(), small["response_mask"])
-                    sums["critic/vpred_mean"].append(vpred_mean.item())
-                grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip)
-                sums["critic/grad_norm"].append(grad_norm.item())
-                self.optimizer.step()
-                self.scheduler.step()
-        self.model.eval()
-        return {k: sum(v) / len(v) for k, v in sums.items()}
+
+        def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[torch.Tensor, dict]:
+            vpreds = self._values(small)
+            vf_loss, vf_clipfrac = value_loss(
+                vpreds, micro["values"][:, :keep], micro["returns"][:, :keep],
+                small["response_mask"], c.cliprange_value, c.loss_agg_mode,
+            )  # fmt: skip
+            vpred_mean = masked_mean(vpreds.detach(), small["response_mask"])
+            return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac,
+                             "critic/vpred_mean": vpred_mean}  # fmt: skip
+
+        return ppo_updates(
+            self.model, self.optimizer, self.scheduler, batch, loss_fn, "critic",
+            c.ppo_epochs, c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.loss_agg_mode,
+            c.optim.grad_clip,
+        )  # fmt: skip
