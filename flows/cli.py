@@ -87,8 +87,10 @@ def train(
             )
             progress.update(task, advance=1, info=f"score {m.get('critic/score/mean', 0):.2f}")
 
+        start = time.perf_counter()
         with progress:
             _, history = train_loop(cfg, on_step=on_step, engine=engine)
+        minutes = (time.perf_counter() - start) / 60
         final = save_final(
             Path(cfg.trainer.output_dir) / run_id, engine.actor.policy, engine.tokenizer, cfg,
             history,
@@ -100,7 +102,10 @@ def train(
                 f"held-out greedy accuracy: {before:.3f} -> {after:.3f} "
                 f"({(after - before) * 100:+.1f} points)"
             )
-        console.print(f"final policy: {final}")
+        console.print(
+            f"trained {cfg.trainer.total_training_steps} steps in {minutes:.1f} min; "
+            f"final policy: {final}"
+        )
     except (KeyboardInterrupt, typer.Exit):
         raise
     except Exception as e:

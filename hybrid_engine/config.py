@@ -142,6 +142,13 @@ class RewardConfig(Section):
     answer_format: Literal["last_number", "hashes"] = Field(
         "last_number", description="how the rule scorer extracts the final answer"
     )
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="DAPO soft overlong punishment: responses longer than "
+        "rollout.max_new_tokens - this lose up to overlong_penalty_factor; 0 = off",
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0)
 
 
 class KLControlConfig(Section):
@@ -238,6 +245,16 @@ class HybridConfig(BaseSettings):
                     f"{key}={size} must divide {total_name}={total} "
                     f"(data.train_batch_size={self.data.train_batch_size}, rollout.n={self.rollout.n})"
                 )
+        if self.rollout.name == "vllm":
+            raise ValueError(
+                "rollout.name='vllm': the vLLM backend is not built yet (GPU extra, planned "
+                "with the Ray pool); use rollout.name=hf"
+            )
+        if self.reward.overlong_buffer_len >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be smaller "
+                f"than rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(
                 f"rollout.n={self.rollout.n}: {self.algorithm.adv_estimator} compares samples "

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import (
-    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -133,7 +132,14 @@ class CriticModel(nn.Module):
             self.value_head.weight.normal_(0.0, 1.0 / backbone.config.hidden_size, generator=gen)
             self.value_head.bias.zero_()
 
-    def forward(self, input_ids, attention_mask, position_ids, keep: int) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: int,
+    ) -> torch.Tensor:
+        """Values of the last `keep` positions, (batch, keep), float32."""
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state[:, -keep:]
@@ -150,9 +156,7 @@ def load_critic(
         backbone = AutoModel.from_config(tiny_llama_config(cfg, tokenizer), dtype=dtype)
     else:
         path = resolve_model_path(critic_path or cfg.path)
-        backbone = AutoModel.from_pretrained(
-            path, config=AutoConfig.from_pretrained(path), dtype=dtype
-        )
+        backbone = AutoModel.from_pretrained(path, dtype=dtype)  # the LM without its head
     return CriticModel(backbone, seed).eval()
 
 

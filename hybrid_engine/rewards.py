@@ -138,9 +138,25 @@ class RewardScorer:
         return scores
 
 
-def token_level_scores(scores: Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment, per response of length L (tokens):
+
+    0                                  if L <= max_len - buffer_len
+    -factor * (L - (max_len - buffer_len)) / buffer_len   otherwise (-factor at max_len)
+    """
+    if buffer_len <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    over = (lengths.float() - (max_len - buffer_len)).clamp(min=0)
+    return -factor * (over / buffer_len).clamp(max=1.0)
+
+
+def token_level_scores(
+    scores: Sequence[float] | torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
     """(batch, response_len) zeros with each score on its response's last token."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
     last = (response_mask.sum(-1) - 1).clamp(min=0).long()
-    out[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
+    out[torch.arange(len(scores)), last] = torch.as_tensor(scores, dtype=torch.float32)
     return out

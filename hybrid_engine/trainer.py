@@ -30,7 +30,7 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.models import load_tokenizer
-from hybrid_engine.rewards import RewardScorer, token_level_scores
+from hybrid_engine.rewards import RewardScorer, overlong_penalty, token_level_scores
 from hybrid_engine.rollout import SamplingParams
 from hybrid_engine.workers import ActorRolloutRef, Critic
 
@@ -116,15 +116,28 @@ class Engine:
         metrics: dict[str, float] = {}
         with timer(metrics, "reward"):
             scores = self._score(batch, "response_ids", "response_mask")
-            batch["token_level_scores"] = token_level_scores(scores, batch["response_mask"])
+            penalty = self._overlong(batch["response_mask"])
+            shaped = torch.tensor(scores) + penalty
+            batch["token_level_scores"] = token_level_scores(shaped, batch["response_mask"])
             if "baseline_response_ids" in batch:
                 base = self._score(batch, "baseline_response_ids", "baseline_response_mask")
-                batch["reward_baselines"] = torch.tensor(base, dtype=torch.float32)
+                batch["reward_baselines"] = torch.tensor(base) + self._overlong(
+                    batch["baseline_response_mask"]
+                )
         metrics["critic/score/mean"] = sum(scores) / len(scores)
         metrics["critic/score/max"] = max(scores)
         metrics["critic/score/min"] = min(scores)
+        if self.cfg.reward.overlong_buffer_len:
+            metrics["critic/overlong_penalty/mean"] = float(penalty.mean())
         batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
         return batch
+
+    def _overlong(self, response_mask: torch.Tensor) -> torch.Tensor:
+        rc = self.cfg.reward
+        return overlong_penalty(
+            response_mask.sum(-1), self.cfg.rollout.max_new_tokens,
+            rc.overlong_buffer_len, rc.overlong_penalty_factor,
+        )  # fmt: skip
 
     def _score(self, batch: Batch, ids_key: str, mask_key: str) -> list[float]:
         ids, mask = batch[ids_key], batch[mask_key]

@@ -126,3 +126,15 @@ def test_on_policy_shortcut_matches_recomputed_old_log_probs():
         out.append(state(engine))
     for k in out[0]:
         torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-4, atol=1e-6)
+
+
+def test_overlong_penalty_lowers_the_rewards_of_long_responses():
+    base = [SIGNAL, "rollout.max_new_tokens=8"]
+    plain = Engine(load_config("configs/grpo_tiny.yaml", base))
+    shaped = Engine(load_config("configs/grpo_tiny.yaml", [*base, "reward.overlong_buffer_len=4"]))
+    a, b = plain.reward(plain.rollout(1)), shaped.reward(shaped.rollout(1))
+    lengths = a["response_mask"].sum(-1).float()
+    expected = a["token_level_scores"].sum(-1) - ((lengths - 4).clamp(min=0) / 4).clamp(max=1)
+    torch.testing.assert_close(b["token_level_scores"].sum(-1), expected)
+    assert b.meta["metrics"]["critic/score/mean"] == a.meta["metrics"]["critic/score/mean"]
+    assert b.meta["metrics"]["critic/overlong_penalty/mean"] < 0

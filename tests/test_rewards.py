@@ -68,3 +68,13 @@ def test_score_sits_on_last_response_token():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     out = token_level_scores([0.5, 1.0, -2.0], mask)
     assert out.tolist() == [[0, 0, 0.5, 0], [1.0, 0, 0, 0], [0, 0, 0, -2.0]]
+
+
+def test_overlong_penalty_is_dapos_linear_ramp():
+    from hybrid_engine.rewards import overlong_penalty
+
+    lengths = torch.tensor([4, 24, 26, 28, 32])
+    # max 32, buffer 8: free up to 24 tokens, then -0.5 * (L - 24) / 8
+    out = overlong_penalty(lengths, max_len=32, buffer_len=8, factor=0.5)
+    assert out.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert overlong_penalty(lengths, 32, 0, 1.0).tolist() == [0.0] * 5
