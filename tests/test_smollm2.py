@@ -16,7 +16,8 @@ def test_smollm2_one_tiny_step():
         "configs/demo_cpu.yaml",
         ["data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=12",
          "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=4", "data.train_size=16",
-         "data.val_size=4", "actor.optim.lr=1e-4", "reward.function=reward_fns:length_score"],
+         "data.val_size=4", "actor.optim.lr=1e-4", "reward.function=reward_fns:length_score",
+         "reward.overlong_buffer_len=4"],
     )  # fmt: skip
     engine = Engine(cfg)
     assert engine.actor.policy.num_parameters() == 134_515_008
