@@ -22,6 +22,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+
 
 class ConfigError(ValueError):
     """A bad configuration; the message names the key and the value."""
@@ -91,13 +96,11 @@ class ActorConfig(Section):
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1)
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    kl_loss_type: KLKind = "low_var_kl"
     log_prob_micro_batch_size: int = Field(16, gt=0)
 
 
@@ -128,9 +131,7 @@ class CriticConfig(Section):
     ppo_micro_batch_size: int = Field(8, gt=0)
     ppo_epochs: int = Field(1, gt=0)
     cliprange_value: float = Field(0.5, gt=0)
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
 
 
 class RewardConfig(Section):
@@ -164,7 +165,7 @@ class AlgorithmConfig(Section):
     lam: float = Field(1.0, ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_penalty: KLKind = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
 
 
