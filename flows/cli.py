@@ -1,6 +1,8 @@
 """`hybridrl`: the command line.
 
     hybridrl train CONFIG [key.path=value ...]
+    hybridrl pool status [--pool NAME]     the persistent workers: version, role, rank, RSS
+    hybridrl pool down [--pool NAME]       stop them (and the local Ray head if it is idle)
 
 Prints the run id, shows per-step progress, saves the final policy to
 `<trainer.output_dir>/<run_id>/final/`, and exits 0; on failure it exits 1 with one line
@@ -92,7 +94,7 @@ def train(
             _, history = train_loop(cfg, on_step=on_step, engine=engine)
         minutes = (time.perf_counter() - start) / 60
         final = save_final(
-            Path(cfg.trainer.output_dir) / run_id, engine.actor.policy, engine.tokenizer, cfg,
+            Path(cfg.trainer.output_dir) / run_id, engine.policy(), engine.tokenizer, cfg,
             history,
         )  # fmt: skip
         before = history[0].get("val/accuracy") if history[0]["step"] == 0 else None
@@ -113,6 +115,59 @@ def train(
             raise
         console.print(f"[red]error:[/] {type(e).__name__}: {e}", soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+pool_app = typer.Typer(help="The persistent Ray worker pool.")
+app.add_typer(pool_app, name="pool")
+PoolName = Annotated[str, typer.Option("--pool", help="ray.pool_name of the pool")]
+
+
+def _connect() -> bool:
+    from hybrid_engine.config import load_config
+    from hybrid_engine.pool import connect
+
+    return connect(load_config(None, []), start=False) is not None
+
+
+@pool_app.command("status")
+def pool_status(pool: PoolName = "default") -> None:
+    """Each worker: weights version, role, rank, pid, RSS, health."""
+    from rich.table import Table
+
+    from hybrid_engine.pool import pool_status as status
+
+    if not _connect():
+        console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
+        raise typer.Exit(1)
+    workers = status(pool)
+    if not workers:
+        console.print(f"pool {pool!r} has no workers")
+        raise typer.Exit(1)
+    table = Table(title=f"pool {pool!r}")
+    for col in ("worker", "roles", "rank", "pid", "weights", "rss GB", "peak GB", "health"):
+        table.add_column(col)
+    for w in workers:
+        healthy = w.get("healthy")
+        table.add_row(
+            w["name"], "+".join(w.get("roles", [])), f"{w.get('rank', '-')}/{w.get('world', '-')}",
+            str(w.get("pid", "-")), str(w.get("weights_version", "-")),
+            f"{w['rss_gb']:.2f}" if "rss_gb" in w else "-",
+            f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
+            "ok" if healthy else f"[red]dead[/] ({w.get('error', 'unhealthy')})",
+        )  # fmt: skip
+    console.print(table)
+
+
+@pool_app.command("down")
+def pool_down(pool: PoolName = "default") -> None:
+    """Kill the pool's workers; stop the local Ray head if no other pool uses it."""
+    from hybrid_engine.pool import down
+
+    if not _connect():
+        console.print("no Ray cluster is running: nothing to stop")
+        return
+    killed = down(pool)
+    console.print(f"pool {pool!r}: stopped {len(killed)} worker(s) {killed}")
 
 
 @app.command()

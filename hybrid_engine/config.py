@@ -88,8 +88,31 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
+class RolloutLayout(Section):
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks per rollout replica (vllm only)")
+    dp: int | None = Field(
+        None, ge=1, description="rollout replicas; None = one per training rank (colocated)"
+    )
+    separate_copy: bool = Field(
+        False,
+        description="keep a persistent full rollout copy of the weights instead of sharing "
+        "(1 rank) or gathering-then-releasing them (FSDP); the baseline of bench/memory.py",
+    )
+
+
+class ActorLayout(Section):
+    """Per-stage layout of the actor group (3D-HybridEngine): train sharded, generate whole."""
+
+    update: Literal["fsdp"] = Field(
+        "fsdp", description="training layout: FSDP2 over `dp` ranks (1 rank = plain model)"
+    )
+    dp: int = Field(1, ge=1, description="data-parallel ranks of the actor group")
+    rollout: RolloutLayout = Field(default_factory=RolloutLayout)
+
+
 class ActorConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    layout: ActorLayout = Field(default_factory=ActorLayout)
     ppo_mini_batch_size: int = Field(32, gt=0, description="samples per optimizer step")
     ppo_micro_batch_size: int = Field(8, gt=0, description="samples per forward/backward")
     ppo_epochs: int = Field(1, gt=0)
@@ -150,6 +173,12 @@ class RewardConfig(Section):
         "rollout.max_new_tokens - this lose up to overlong_penalty_factor; 0 = off",
     )
     overlong_penalty_factor: float = Field(1.0, ge=0)
+    model_path: str | None = Field(
+        None,
+        description="a sequence-classification reward model (local HF dir, or `tiny` for a "
+        "random one in tests); its score replaces the rule/function score; None = off",
+    )
+    model_micro_batch_size: int = Field(16, gt=0)
 
 
 class KLControlConfig(Section):
@@ -175,8 +204,38 @@ class TrainerConfig(Section):
     test_freq: int = Field(0, ge=0, description="validate every N steps; 0 = only at the end")
     val_before_train: bool = True
     output_dir: str = "runs"
+    backend: Literal["local", "ray"] = Field(
+        "local", description="local = roles in this process; ray = the persistent worker pool"
+    )
     run_id: str | None = Field(None, description="None = <preset>-<timestamp>")
     num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
+
+
+class RayConfig(Section):
+    """The persistent worker pool: where it runs and how its roles are placed."""
+
+    pool_name: str = Field(
+        "default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="names the pool's Ray namespace; drivers with the same name share workers",
+    )  # fmt: skip
+    address: str | None = Field(
+        None, description="Ray cluster address; None = $RAY_ADDRESS, else a local head"
+    )
+    head_num_cpus: int = Field(
+        16, gt=0, description="logical CPUs of a locally started head (a scheduling label)"
+    )
+    num_cpus_per_rank: float = Field(1.0, gt=0)
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    critic: Literal["colocated", "separate"] = Field(
+        "colocated", description="critic in the actor ranks' processes, or its own group"
+    )
+    critic_dp: int = Field(1, ge=1, description="ranks of a separate critic group")
+    reward_model: Literal["colocated", "separate"] = "colocated"
+    reward_model_dp: int = Field(1, ge=1, description="ranks of a separate reward-model group")
+    call_timeout_s: float = Field(
+        3600, gt=0, description="longest wait for one stage call (also the collective timeout)"
+    )
+    start_timeout_s: float = Field(180, gt=0, description="longest wait for workers to start")
 
 
 class HybridConfig(BaseSettings):
@@ -199,6 +258,7 @@ class HybridConfig(BaseSettings):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -224,6 +284,10 @@ class HybridConfig(BaseSettings):
     def samples_per_step(self) -> int:
         return self.data.train_batch_size * self.rollout.n
 
+    @property
+    def use_reward_model(self) -> bool:
+        return self.reward.model_path is not None
+
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> HybridConfig:
         n = self.samples_per_step
@@ -246,11 +310,6 @@ class HybridConfig(BaseSettings):
                     f"{key}={size} must divide {total_name}={total} "
                     f"(data.train_batch_size={self.data.train_batch_size}, rollout.n={self.rollout.n})"
                 )
-        if self.rollout.name == "vllm":
-            raise ValueError(
-                "rollout.name='vllm': the vLLM backend is not built yet (GPU extra, planned "
-                "with the Ray pool); use rollout.name=hf"
-            )
         if self.reward.overlong_buffer_len >= self.rollout.max_new_tokens:
             raise ValueError(
                 f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be smaller "
@@ -262,6 +321,79 @@ class HybridConfig(BaseSettings):
                 "of one prompt, it needs rollout.n >= 2"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> HybridConfig:
+        """What each layout setting needs; what this build cannot run is refused by name."""
+        lay, backend = self.actor.layout, self.trainer.backend
+        ranks = {"actor.layout.dp": lay.dp}
+        if self.use_critic and self.ray.critic == "separate":
+            ranks["ray.critic_dp"] = self.ray.critic_dp
+        if self.use_reward_model and self.ray.reward_model == "separate":
+            ranks["ray.reward_model_dp"] = self.ray.reward_model_dp
+        if backend == "local":
+            many = {k: v for k, v in ranks.items() if v > 1}
+            if many:
+                raise ValueError(
+                    f"{_kv(many)}: the local backend runs one rank in this process; "
+                    "set trainer.backend=ray for data-parallel ranks"
+                )
+            if self.ray.critic == "separate" or self.ray.reward_model == "separate":
+                raise ValueError(
+                    "ray.critic / ray.reward_model = separate need trainer.backend=ray"
+                )
+        n = self.samples_per_step
+        for key, group_dp, size in [
+            ("actor.ppo_mini_batch_size", lay.dp, self.actor.ppo_mini_batch_size),
+            ("critic.ppo_mini_batch_size", ranks.get("ray.critic_dp", lay.dp),
+             self.critic.ppo_mini_batch_size),
+        ]:  # fmt: skip
+            if key.startswith("critic") and not self.use_critic:
+                continue
+            if size % group_dp or n % group_dp:
+                raise ValueError(
+                    f"{key}={size} and the {n} samples of a step must split evenly over "
+                    f"{group_dp} data-parallel ranks"
+                )
+        micro = self.actor.ppo_micro_batch_size
+        if (self.actor.ppo_mini_batch_size // lay.dp) % micro:
+            raise ValueError(
+                f"actor.ppo_micro_batch_size={micro} must divide the per-rank mini-batch "
+                f"actor.ppo_mini_batch_size / actor.layout.dp = "
+                f"{self.actor.ppo_mini_batch_size // lay.dp}"
+            )
+        rdp = lay.rollout.dp or lay.dp
+        if self.rollout.name == "hf":
+            if lay.rollout.tp != 1:
+                raise ValueError(
+                    f"actor.layout.rollout.tp={lay.rollout.tp}: the hf rollout keeps full weights "
+                    "per replica; tensor-parallel rollout needs rollout.name=vllm (GPU)"
+                )
+            if rdp != lay.dp:
+                raise ValueError(
+                    f"actor.layout.rollout.dp={rdp}: with the colocated hf rollout every training "
+                    f"rank is one replica, so it must equal actor.layout.dp={lay.dp}"
+                )
+        else:
+            if backend != "ray" or self.ray.num_gpus_per_rank <= 0:
+                raise ValueError(
+                    "rollout.name=vllm runs on GPUs in the Ray pool: set trainer.backend=ray and "
+                    "ray.num_gpus_per_rank > 0 (install the [vllm] extra on a GPU machine)"
+                )
+            if lay.rollout.tp * rdp != lay.dp:
+                raise ValueError(
+                    f"actor.layout.rollout.tp={lay.rollout.tp} x dp={rdp} must equal "
+                    f"actor.layout.dp={lay.dp}: the rollout engines use the training ranks' GPUs"
+                )
+            if lay.rollout.separate_copy:
+                raise ValueError(
+                    "actor.layout.rollout.separate_copy applies to the hf rollout only"
+                )
+        return self
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
 
 
 _YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("yaml")

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     LlamaConfig,
     PreTrainedModel,
@@ -27,7 +28,7 @@ from transformers import (
 )
 
 from hybrid_engine.algorithms.losses import entropy_from_logits
-from hybrid_engine.config import ModelConfig
+from hybrid_engine.config import HybridConfig, ModelConfig
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny"
@@ -158,6 +159,46 @@ def load_critic(
         path = resolve_model_path(critic_path or cfg.path)
         backbone = AutoModel.from_pretrained(path, dtype=dtype)  # the LM without its head
     return CriticModel(backbone, seed).eval()
+
+
+class RewardModelNet(nn.Module):
+    """A sequence classifier's backbone and score head, scoring every position (batch, seq);
+    the caller picks the last real token (HF pools by pad id, which is EOS here)."""
+
+    def __init__(self, classifier: PreTrainedModel) -> None:
+        super().__init__()
+        self.backbone = classifier.base_model
+        self.score = classifier.score
+        if classifier.config.num_labels != 1:
+            raise ValueError(
+                f"reward.model_path: the reward model must have one label (a scalar score), "
+                f"it has num_labels={classifier.config.num_labels}"
+            )
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        return self.score(hidden).squeeze(-1).float()
+
+
+def load_reward_model(
+    path: str, tokenizer: PreTrainedTokenizerBase, cfg: HybridConfig
+) -> RewardModelNet:
+    """`path`: a local sequence-classification checkpoint, or `tiny` (random, for tests)."""
+    dtype = getattr(torch, cfg.model.dtype)
+    if path == TINY:
+        torch.manual_seed(cfg.trainer.seed + 1)
+        config = tiny_llama_config(cfg.model, tokenizer)
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            resolve_model_path(path), num_labels=1, dtype=dtype
+        )
+    return RewardModelNet(model).eval()
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -60,10 +60,13 @@ class HFRollout:
         pad, eos = self.pad_token_id, self.eos_token_id
         was_training = self.model.training
         self.model.eval()
-        torch.manual_seed(sampling.seed)
+        # Each chunk is seeded by its first row's global index, so the samples do not depend
+        # on how the batch was split across replicas (`row_offset` = this part's first row).
+        offset = int(batch.meta.get("row_offset", 0))
         start = time.perf_counter()
         chunks = []
-        for part in batch.split(self.micro_batch_size):
+        for i, part in enumerate(batch.split(self.micro_batch_size)):
+            torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
             prompt_ids = part["prompt_ids"]
             out = self.model.generate(
                 input_ids=prompt_ids,

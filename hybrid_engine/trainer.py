@@ -32,7 +32,7 @@ from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.models import load_tokenizer
 from hybrid_engine.rewards import RewardScorer, overlong_penalty, token_level_scores
 from hybrid_engine.rollout import SamplingParams
-from hybrid_engine.workers import ActorRolloutRef, Critic
+from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
 
 
 @contextmanager
@@ -52,9 +52,14 @@ def step_seed(seed: int, step: int) -> int:
 
 
 class Engine:
-    """Holds the roles (actor/rollout/ref, critic), the data and the scorer."""
+    """Holds the roles (actor/rollout/ref, critic, reward model), the data and the scorer.
 
-    def __init__(self, cfg: HybridConfig) -> None:
+    `trainer.backend: local` builds the roles in this process (one rank); `ray` serves them
+    from the persistent pool (`hybrid_engine.pool`), whose proxies have the same methods.
+    A warm pool is reset to fresh weights unless `reset_pool=False` (resuming a run).
+    """
+
+    def __init__(self, cfg: HybridConfig, reset_pool: bool = True) -> None:
         self.cfg = cfg
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
@@ -63,8 +68,26 @@ class Engine:
         self.scorer = RewardScorer(
             cfg.reward.function, cfg.reward.answer_format, cfg.data.task_config
         )
-        self.actor = ActorRolloutRef(cfg, self.tokenizer)
-        self.critic = Critic(cfg, self.tokenizer) if cfg.use_critic else None
+        self.pool = None
+        self.critic: Critic | None = None
+        self.reward_model: RewardModel | None = None
+        if cfg.trainer.backend == "ray":
+            from hybrid_engine.pool import Pool
+
+            self.pool = Pool.up(cfg)
+            self.actor = self.pool.role("actor")
+            if reset_pool and not self.pool.created and self.actor.weights_version != 0:
+                self.pool.reset()
+            if cfg.use_critic:
+                self.critic = self.pool.role("critic")
+            if cfg.use_reward_model:
+                self.reward_model = self.pool.role("rm")
+        else:
+            self.actor = ActorRolloutRef(cfg, self.tokenizer)
+            if cfg.use_critic:
+                self.critic = Critic(cfg, self.tokenizer)
+            if cfg.use_reward_model:
+                self.reward_model = RewardModel(cfg, self.tokenizer)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = (
             AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
@@ -101,6 +124,7 @@ class Engine:
         )
         with timer(metrics, "gen"):
             batch = self.actor.generate(prompts.repeat_interleave(r.n), sampling)
+        metrics["timing_s/reshard"] = batch.meta.get("reshard_s", 0.0)
         if self.cfg.algorithm.adv_estimator == "remax":
             with timer(metrics, "gen_baseline"):
                 greedy = self.actor.generate(prompts, SamplingParams(r.max_new_tokens, 0.0))
@@ -141,6 +165,16 @@ class Engine:
 
     def _score(self, batch: Batch, ids_key: str, mask_key: str) -> list[float]:
         ids, mask = batch[ids_key], batch[mask_key]
+        if self.reward_model is not None:
+            prompt_mask = batch["prompt_mask"]
+            scored = self.reward_model.score(
+                Batch({
+                    "input_ids": torch.cat([batch["prompt_ids"], ids], 1),
+                    "attention_mask": torch.cat([prompt_mask, mask], 1),
+                    "response_mask": mask,
+                })
+            )  # fmt: skip
+            return scored["rm_scores"].tolist()
         completions = [
             self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
             for row, m in zip(ids, mask, strict=True)
@@ -213,6 +247,16 @@ class Engine:
         metrics |= batch_stats(batch, self.cfg.rollout.max_new_tokens)
         metrics = {**batch.meta.get("metrics", {}), **metrics}
         return Batch(meta={"step": batch.meta.get("step"), "metrics": metrics})
+
+    def policy(self) -> torch.nn.Module:
+        """The current policy as a plain HF module in this process (for saving)."""
+        if self.pool is None:
+            return self.actor.policy
+        from hybrid_engine.models import load_policy
+
+        model = load_policy(self.cfg.model, self.tokenizer, self.cfg.trainer.seed)
+        model.load_state_dict(self.actor.full_state_dict())
+        return model
 
     # ----------------------------------------------------------------- driver
     def step(self, step: int) -> dict[str, float]:

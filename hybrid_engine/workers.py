@@ -1,14 +1,18 @@
-"""The engine's roles: `ActorRolloutRef` (policy + rollout + frozen reference) and `Critic`.
+"""The engine's roles: `ActorRolloutRef` (policy + rollout + frozen reference), `Critic`
+and `RewardModel`.
 
 Each role owns its models and optimizer and exposes the stage operations the driver calls:
 generate, compute_log_prob, compute_ref_log_prob, update_actor / compute_values,
-update_critic. Batches go in and come out; nothing here knows about processes, storage or
-orchestration, so the same classes run in-process (here) or inside Ray actors.
+update_critic / score, and save/load of its state at an fsspec URL. Batches go in and come
+out. A role runs on one rank of its group: in-process (one rank) or inside a Ray worker
+(`hybrid_engine.pool`), where the group's ranks train in FSDP2 layout together
+(`hybrid_engine.sharding`). Nothing here knows about storage layout or orchestration.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -23,10 +27,26 @@ from hybrid_engine.config import CriticConfig, HybridConfig, OptimConfig
 from hybrid_engine.models import (
     load_critic,
     load_policy,
+    load_reward_model,
     position_ids_from_mask,
+    resolve_model_path,
     response_log_probs,
 )
 from hybrid_engine.rollout import HFRollout, SamplingParams
+from hybrid_engine.rollout_vllm import VLLMRollout
+from hybrid_engine.sharding import (
+    RolloutWeights,
+    all_reduce_sum,
+    full_state_dict,
+    is_sharded,
+    load_state,
+    local_numel,
+    named_full_tensors,
+    save_state,
+    shard_model,
+    to_float,
+    world_size,
+)
 
 
 def make_optimizer(
@@ -76,29 +96,65 @@ def micro_batches(batch: Batch, size: int, fn: Callable[[Batch], dict[str, torch
 
 
 class ActorRolloutRef:
-    """Policy in training layout, the rollout engine on the same weights, and the reference."""
+    """Policy in training layout, the rollout engine on its weights, and the reference.
+
+    Training layout: FSDP2 over the group's ranks (a plain module at one rank). Rollout
+    layout: full weights per rank. At one rank the rollout module is the training module;
+    with FSDP the weights are gathered before each generation and released after it.
+    """
 
     def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg = cfg
         self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
         self.ref = None
         if cfg.use_reference:
-            self.ref = copy.deepcopy(self.policy).requires_grad_(False)
+            self.ref = shard_model(copy.deepcopy(self.policy).requires_grad_(False))
+        lay = cfg.actor.layout
+        self.rollout_weights = RolloutWeights(
+            self.policy, lay.rollout.separate_copy, module=cfg.rollout.name == "hf"
+        )
+        shard_model(self.policy)
+        self.rollout_weights.bind()
+        # The optimizer sees the training layout's parameters (this rank's shards).
         self.optimizer, self.scheduler = make_optimizer(
             list(self.policy.parameters()), cfg.actor.optim
         )
-        # One rank on CPU: the rollout engine generates with the training module itself.
-        self.rollout = HFRollout(
-            self.policy,
-            tokenizer.pad_token_id,
-            tokenizer.eos_token_id,
-            cfg.rollout.micro_batch_size,
-        )
+        self.rollout = make_rollout(cfg, self.rollout_weights.module, tokenizer)
         self.weights_version = 0
+
+    def configure(self, cfg: HybridConfig) -> None:
+        """A run's settings that leave models and optimizer as they are."""
+        self.cfg = cfg
+        if isinstance(self.rollout, HFRollout):
+            self.rollout.micro_batch_size = cfg.rollout.micro_batch_size
 
     # ------------------------------------------------------------------ rollout
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        return self.rollout.generate(batch, sampling)
+        """Reshard (gather full weights) if needed, generate, release the full weights."""
+        if isinstance(self.rollout, VLLMRollout):
+            return self._generate_vllm(batch, sampling)
+        reshard_s = self.rollout_weights.gather(self.weights_version)
+        try:
+            out = self.rollout.generate(batch, sampling)
+        finally:
+            self.rollout_weights.release()
+        out.meta["reshard_s"] = reshard_s
+        return out
+
+    def _generate_vllm(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        """Wake the engine, push the new weights in place if the version moved, generate,
+        sleep again (level 1: weights offloaded, KV cache freed for training)."""
+        start = time.perf_counter()
+        if self.rollout_weights.synced_version != self.weights_version:
+            self.rollout.load_weights(named_full_tensors(self.policy))
+            self.rollout_weights.synced_version = self.weights_version
+        reshard_s = time.perf_counter() - start
+        try:
+            out = self.rollout.generate(batch, sampling)
+        finally:
+            self.rollout.sleep()
+        out.meta["reshard_s"] = reshard_s
+        return out
 
     # ---------------------------------------------------------------- log-probs
     @torch.no_grad()
@@ -157,11 +213,56 @@ class ActorRolloutRef:
 
         metrics = ppo_updates(
             self.policy, self.optimizer, self.scheduler, batch, loss_fn, "actor",
-            a.ppo_epochs, a.ppo_mini_batch_size, a.ppo_micro_batch_size, a.loss_agg_mode,
-            a.optim.grad_clip,
+            a.ppo_epochs, a.ppo_mini_batch_size // world_size(), a.ppo_micro_batch_size,
+            a.loss_agg_mode, a.optim.grad_clip,
         )  # fmt: skip
         self.weights_version += 1
         return metrics
+
+    # -------------------------------------------------------------------- state
+    def save(self, url: str) -> list[str]:
+        """Weights, optimizer, scheduler and RNG state under `url` (all ranks call it)."""
+        extra = {"weights_version": self.weights_version}
+        return save_state(url, self.policy, self.optimizer, self.scheduler, extra)
+
+    def load(self, url: str) -> int:
+        """Restore what `save` wrote; returns the restored weights version."""
+        extra = load_state(url, self.policy, self.optimizer, self.scheduler)
+        self.weights_version = int(extra["weights_version"])
+        self.rollout_weights.synced_version = -1
+        return self.weights_version
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights on rank 0 ({} elsewhere); all ranks must call it."""
+        return full_state_dict(self.policy)
+
+    def info(self) -> dict:
+        return {
+            "weights_version": self.weights_version,
+            "sharded": is_sharded(self.policy),
+            "local_params": local_numel(self.policy),
+            "rollout_shares_storage": self.rollout_weights.shares_storage,
+            "last_reshard_s": self.rollout_weights.gather_seconds,
+        }
+
+
+def make_rollout(
+    cfg: HybridConfig, module: nn.Module, tokenizer: PreTrainedTokenizerBase
+) -> HFRollout | VLLMRollout:
+    """The rollout engine named by `rollout.name`: `hf` on the rollout-layout module, or a
+    vLLM engine (GPU) started from the model's files and fed new weights in place."""
+    if cfg.rollout.name == "vllm":
+        tp = cfg.actor.layout.rollout.tp
+        engine = VLLMRollout(
+            str(resolve_model_path(cfg.model.path)), tp, tokenizer.pad_token_id,
+            tokenizer.eos_token_id, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
+            distributed_executor_backend="external_launcher" if tp > 1 else None,
+        )  # fmt: skip
+        engine.sleep()  # the trainer has the GPU until the first rollout
+        return engine
+    return HFRollout(
+        module, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.rollout.micro_batch_size
+    )
 
 
 def ppo_updates(
@@ -195,7 +296,7 @@ def ppo_updates(
                 for k, v in stats.items():
                     sums[k].append(float(v.detach()))
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            sums[f"{prefix}/grad_norm"].append(float(grad_norm))
+            sums[f"{prefix}/grad_norm"].append(to_float(grad_norm))
             sums[f"{prefix}/lr"].append(scheduler.get_last_lr()[0])
             optimizer.step()
             scheduler.step()
@@ -205,7 +306,10 @@ def ppo_updates(
 
 def _micro_weights(mini: Batch, micro_size: int, loss_agg_mode: str) -> list[float]:
     """Loss weight of each micro-batch so that the accumulated gradient equals the gradient
-    of the mini-batch's loss: token share for token-mean, sequence share otherwise."""
+    of the mini-batch's loss: token share for token-mean, sequence share otherwise.
+
+    With several data-parallel ranks the share is of the *global* mini-batch (its counts are
+    summed over the ranks) times the world size, because FSDP averages the ranks' gradients."""
     mask = mini["response_mask"]
     if loss_agg_mode == "token-mean":
         counts = [float(m.sum()) for m in mask.split(micro_size)]
@@ -213,8 +317,8 @@ def _micro_weights(mini: Batch, micro_size: int, loss_agg_mode: str) -> list[flo
         counts = [float(m.any(-1).sum()) for m in mask.split(micro_size)]
     else:
         counts = [float(m.shape[0]) for m in mask.split(micro_size)]
-    total = sum(counts) or 1.0
-    return [c / total for c in counts]
+    total = all_reduce_sum(sum(counts)) or 1.0
+    return [c / total * world_size() for c in counts]
 
 
 class Critic:
@@ -223,9 +327,14 @@ class Critic:
     def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg: CriticConfig = cfg.critic
         self.model = load_critic(cfg.model, cfg.critic.model_path, tokenizer, cfg.trainer.seed)
+        shard_model(self.model)
         self.optimizer, self.scheduler = make_optimizer(
             list(self.model.parameters()), cfg.critic.optim
         )
+        self.log_prob_micro_batch_size = cfg.actor.log_prob_micro_batch_size
+
+    def configure(self, cfg: HybridConfig) -> None:
+        self.cfg = cfg.critic
         self.log_prob_micro_batch_size = cfg.actor.log_prob_micro_batch_size
 
     def _values(self, mb: Batch) -> torch.Tensor:
@@ -256,6 +365,50 @@ class Critic:
 
         return ppo_updates(
             self.model, self.optimizer, self.scheduler, batch, loss_fn, "critic",
-            c.ppo_epochs, c.ppo_mini_batch_size, c.ppo_micro_batch_size, c.loss_agg_mode,
-            c.optim.grad_clip,
+            c.ppo_epochs, c.ppo_mini_batch_size // world_size(), c.ppo_micro_batch_size,
+            c.loss_agg_mode, c.optim.grad_clip,
         )  # fmt: skip
+
+    def save(self, url: str) -> list[str]:
+        return save_state(url, self.model, self.optimizer, self.scheduler, {})
+
+    def load(self, url: str) -> int:
+        load_state(url, self.model, self.optimizer, self.scheduler)
+        return 0
+
+    def info(self) -> dict:
+        return {"sharded": is_sharded(self.model), "local_params": local_numel(self.model)}
+
+
+class RewardModel:
+    """A sequence classifier: the score of a sample is its logit at the last real token."""
+
+    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model = shard_model(load_reward_model(cfg.reward.model_path, tokenizer, cfg))
+        self.micro_batch_size = cfg.reward.model_micro_batch_size
+
+    def configure(self, cfg: HybridConfig) -> None:
+        self.micro_batch_size = cfg.reward.model_micro_batch_size
+
+    @torch.no_grad()
+    def score(self, batch: Batch) -> Batch:
+        """`rm_scores`: one float per sample."""
+        out = []
+        for mb in batch.select(["input_ids", "attention_mask"], meta=False).split(
+            self.micro_batch_size
+        ):
+            am = mb["attention_mask"]
+            scores = self.model(mb["input_ids"], am, position_ids_from_mask(am))
+            last = am.shape[1] - 1 - am.flip(-1).argmax(-1)  # last real token of each row
+            out.append(scores[torch.arange(len(last)), last])
+        return Batch({"rm_scores": torch.cat(out)})
+
+    def save(self, url: str) -> list[str]:
+        return save_state(url, self.model, None, None, {})
+
+    def load(self, url: str) -> int:
+        load_state(url, self.model, None, None)
+        return 0
+
+    def info(self) -> dict:
+        return {"sharded": is_sharded(self.model), "local_params": local_numel(self.model)}

@@ -44,7 +44,7 @@ def test_precedence_defaults_yaml_env_override(tmp_path, monkeypatch):
         (["actor.ppo_micro_batch_size=5"], "actor.ppo_micro_batch_size=5 must divide"),
         (["rollout.n=1"], "rollout.n=1"),
         (["rollout.n"], "not of the form"),
-        (["rollout.name=vllm"], "vLLM backend is not built yet"),
+        (["rollout.name=vllm"], "rollout.name=vllm runs on GPUs in the Ray pool"),
     ],
 )
 def test_errors_name_key_and_value(overrides, needle):

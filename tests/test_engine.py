@@ -138,3 +138,28 @@ def test_overlong_penalty_lowers_the_rewards_of_long_responses():
     torch.testing.assert_close(b["token_level_scores"].sum(-1), expected)
     assert b.meta["metrics"]["critic/score/mean"] == a.meta["metrics"]["critic/score/mean"]
     assert b.meta["metrics"]["critic/overlong_penalty/mean"] < 0
+
+
+def test_rollout_shares_the_training_weights_at_one_rank(tokenizer):
+    """Zero copy: the rollout module's parameters are the training parameters' storage."""
+    from hybrid_engine.workers import ActorRolloutRef
+
+    engine = Engine(load_config("configs/grpo_tiny.yaml", [SIGNAL]))
+    actor = engine.actor
+    ptrs = [p.data_ptr() for p in actor.policy.parameters()]
+    assert actor.rollout_weights.shares_storage
+    assert actor.rollout_weights.data_ptrs() == ptrs
+    engine.step(1)  # after an update the rollout still reads the same (updated) storage
+    assert (
+        actor.rollout_weights.data_ptrs()
+        == ptrs
+        == [p.data_ptr() for p in actor.policy.parameters()]
+    )
+
+    copy_cfg = load_config(
+        "configs/grpo_tiny.yaml", [SIGNAL, "actor.layout.rollout.separate_copy=true"]
+    )
+    separate = ActorRolloutRef(copy_cfg, tokenizer)
+    assert not set(separate.rollout_weights.data_ptrs()) & {
+        p.data_ptr() for p in separate.policy.parameters()
+    }

@@ -1,0 +1,554 @@
+"""The persistent worker pool: named, detached Ray actors that outlive any driver.
+
+    pool = Pool.up(cfg)                 # connect (or start a local head), attach or create
+    actor = pool.role("actor")          # a proxy: actor.generate(batch, sampling) etc.
+    pool.status(); pool.down()
+
+Connection: `ray.address` or `$RAY_ADDRESS` names an existing cluster. Otherwise the pool
+starts a local head as its own background process (`ray start --head` on 127.0.0.1) and
+records its address in `<state dir>/head.json`, so the head and the actors on it survive the
+driver; the next driver finds them again. The state dir is `$HYBRIDRL_RAY_STATE`, default
+`~/.cache/hybridrl/ray`.
+
+Workers live in the Ray namespace `hybridrl-<pool_name>`, named `<group>-<rank>`: the actor
+group (`actor-0..dp-1`, hosting actor+rollout+ref and any colocated critic / reward model)
+and, when placed separately, `critic-*` and `rm-*`. Each group trains in FSDP2 over its own
+torch.distributed world. A pool built for another model or layout is refused, not reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from hybrid_engine import RAY_ENV
+from hybrid_engine.batch import Batch
+from hybrid_engine.config import HybridConfig
+from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
+from hybrid_engine.models import cache_dir, load_tokenizer
+from hybrid_engine.rollout import SamplingParams
+
+
+class PoolError(RuntimeError):
+    """The pool cannot serve the request (mismatch, missing or dead worker, timeout)."""
+
+
+class WorkerDiedError(PoolError):
+    """A worker process is gone; the message names it."""
+
+
+# ---------------------------------------------------------------------- the local head
+def state_dir() -> Path:
+    return Path(os.environ.get("HYBRIDRL_RAY_STATE") or cache_dir() / "ray").expanduser()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(address: str, timeout: float = 1.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str | None:
+    """Address of this machine's hybridrl head; started in the background if `start`."""
+    state = state_dir() / "head.json"
+    if state.is_file():
+        info = json.loads(state.read_text())
+        if _port_open(info["address"]):
+            return info["address"]
+        stop_local_head()  # stale: its processes are gone or half gone
+    if not start:
+        return None
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="hrl-ray-", dir="/tmp")  # short: socket paths <108 B
+    cmd = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+        "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+        "--include-dashboard=false", f"--dashboard-port={_free_port()}", f"--temp-dir={temp_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, **RAY_ENV}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise PoolError(f"`ray start --head` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    address = f"127.0.0.1:{port}"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"address": address, "temp_dir": temp_dir}))
+    return address
+
+
+def _head_processes(temp_dir: str) -> list[psutil.Process]:
+    """The head's daemons (their command lines name its temp dir) and their children."""
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in a for a in p.info["cmdline"] or []):
+                found[p.pid] = p
+                for c in p.children(recursive=True):
+                    found[c.pid] = c
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return list(found.values())
+
+
+def stop_local_head() -> bool:
+    """Stop the head recorded in the state dir (only its own processes). True if one was."""
+    state = state_dir() / "head.json"
+    if not state.is_file():
+        return False
+    info = json.loads(state.read_text())
+    if ray.is_initialized():
+        ray.shutdown()
+    procs = _head_processes(info["temp_dir"])
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    shutil.rmtree(info["temp_dir"], ignore_errors=True)
+    state.unlink(missing_ok=True)
+    return True
+
+
+def connect(cfg: HybridConfig, start: bool = True) -> str | None:
+    """Join the configured cluster, else the local head (started if `start`)."""
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        address = local_head(start, cfg.ray.head_num_cpus, cfg.ray.start_timeout_s)
+        if address is None:
+            return None
+    if not ray.is_initialized():
+        local = address.startswith("127.0.0.1:")
+        ray.init(
+            address=address,
+            namespace="hybridrl",
+            log_to_driver=False,
+            logging_level="WARNING",
+            _node_ip_address="127.0.0.1" if local else None,
+        )
+    return address
+
+
+# --------------------------------------------------------------------------- workers
+def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
+    """What a worker is built from; a pool whose spec differs cannot serve `cfg`."""
+    return {
+        "model": cfg.model.model_dump(),
+        "actor.layout": cfg.actor.layout.model_dump(),
+        "actor.optim": cfg.actor.optim.model_dump(),
+        "critic": cfg.use_critic and {
+            "model_path": cfg.critic.model_path, "optim": cfg.critic.optim.model_dump(),
+            "placement": cfg.ray.critic, "dp": cfg.ray.critic_dp,
+        },
+        "reward_model": cfg.use_reward_model and {
+            "model_path": cfg.reward.model_path, "placement": cfg.ray.reward_model,
+            "dp": cfg.ray.reward_model_dp,
+        },
+        "reference": cfg.use_reference,
+        "rollout.name": cfg.rollout.name,
+        "trainer.seed": cfg.trainer.seed,
+        "resources": [cfg.ray.num_cpus_per_rank, cfg.ray.num_gpus_per_rank],
+    }  # fmt: skip
+
+
+def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
+    """group name -> (ranks, roles hosted by each rank's process)."""
+    actor_roles = ["actor"]
+    plan: dict[str, tuple[int, list[str]]] = {}
+    if cfg.use_critic:
+        if cfg.ray.critic == "colocated":
+            actor_roles.append("critic")
+        else:
+            plan["critic"] = (cfg.ray.critic_dp, ["critic"])
+    if cfg.use_reward_model:
+        if cfg.ray.reward_model == "colocated":
+            actor_roles.append("rm")
+        else:
+            plan["rm"] = (cfg.ray.reward_model_dp, ["rm"])
+    return {"actor": (cfg.actor.layout.dp, actor_roles), **plan}
+
+
+class Worker:
+    """One process of a group: hosts its roles on one rank. Runs as a detached Ray actor."""
+
+    def __init__(self, cfg: HybridConfig, group: str, rank: int, world: int, roles: list[str]):
+        self.cfg, self.group, self.rank, self.world, self.role_names = (
+            cfg,
+            group,
+            rank,
+            world,
+            roles,
+        )
+        self.spec = pool_spec(cfg)
+        self.roles: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def address(self) -> str:
+        """Rank 0 hosts the group's rendezvous."""
+        return f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+
+    def setup(self, init_method: str, threads: int) -> dict:
+        from hybrid_engine.sharding import init_group
+
+        torch.set_num_threads(threads)
+        init_group(self.rank, self.world, init_method, self.cfg.ray.call_timeout_s)
+        self.build()
+        return self.info()
+
+    def build(self) -> None:
+        """(Re)create the roles from the config: fresh weights, optimizer and version 0."""
+        from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
+
+        tokenizer = load_tokenizer(self.cfg.model)
+        make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel}
+        self.roles = {}  # free the old models first
+        self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
+
+    def configure(self, cfg: HybridConfig) -> None:
+        """Take a run's settings that do not change what the workers hold (batch sizes,
+        clip ratios, sampling, ...); `pool_spec` guards the rest."""
+        if pool_spec(cfg) != self.spec:
+            raise PoolError("configure: the pool spec differs")
+        self.cfg = cfg
+        for role in self.roles.values():
+            role.configure(cfg)
+
+    def call(self, role: str, method: str, *args: Any) -> Any:
+        return getattr(self.roles[role], method)(*args)
+
+    def get_spec(self) -> dict:
+        return self.spec
+
+    @ray.method(concurrency_group="status")
+    def info(self) -> dict:
+        mem = psutil.Process().memory_info().rss
+        out = {
+            "name": f"{self.group}-{self.rank}", "group": self.group, "rank": self.rank,
+            "world": self.world, "roles": self.role_names, "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(), "rss_gb": mem / 1024**3,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+            "healthy": bool(self.roles) and self.error is None,
+        }  # fmt: skip
+        for name, role in self.roles.items():
+            out[name] = role.info()
+        if "actor" in self.roles:
+            out["weights_version"] = self.roles["actor"].weights_version
+        return out
+
+
+# `info` answers while a long stage call runs (its own thread); stage calls run one at a time.
+RemoteWorker = ray.remote(max_restarts=0, concurrency_groups={"status": 1})(Worker)
+
+
+# ---------------------------------------------------------------------- worker groups
+class WorkerGroup:
+    """The ranks of one group: call a method on all of them, split / gather the batch."""
+
+    def __init__(self, pool: Pool, name: str, handles: list[Any], pids: list[int]) -> None:
+        self.pool, self.name, self.handles, self.pids = pool, name, handles, pids
+
+    @property
+    def ranks(self) -> int:
+        return len(self.handles)
+
+    def wait(self, refs: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
+        """Results in rank order; a dead worker or a timeout raises at once, naming it."""
+        timeout_s = timeout_s or self.pool.cfg.ray.call_timeout_s
+        deadline = time.monotonic() + timeout_s
+        index = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                names = ", ".join(f"{self.name}-{index[r]}" for r in pending)
+                raise PoolError(
+                    f"{what}: no answer from {names} within ray.call_timeout_s={timeout_s:g}s"
+                )
+            for ref in ready:
+                i = index[ref]
+                try:
+                    results[i] = ray.get(ref)
+                except RayActorError as e:
+                    raise WorkerDiedError(
+                        f"{what}: worker {self.name}-{i} (pid {self.pids[i]}) of pool "
+                        f"{self.pool.name!r} died ({type(e).__name__}). Re-create the pool "
+                        f"(`hybridrl pool down --pool {self.pool.name}`, then start again) and "
+                        "restore the last saved state."
+                    ) from None
+        return results
+
+    def call_all(self, role: str, method: str, *args: Any) -> list[Any]:
+        refs = [h.call.remote(role, method, *args) for h in self.handles]
+        return self.wait(refs, f"{role}.{method}")
+
+    def call_split(self, role: str, method: str, batch: Batch, *args: Any) -> Batch:
+        parts, pad = split_rows(batch, self.ranks)
+        refs = [
+            h.call.remote(role, method, p, *args) for h, p in zip(self.handles, parts, strict=True)
+        ]
+        return gather_rows(self.wait(refs, f"{role}.{method}"), pad, self.pool.pad_token_id)
+
+    def call_update(self, role: str, method: str, batch: Batch, mini_batch_size: int) -> dict:
+        parts = split_for_update(batch, self.ranks, mini_batch_size)
+        refs = [h.call.remote(role, method, p) for h, p in zip(self.handles, parts, strict=True)]
+        return mean_metrics(self.wait(refs, f"{role}.{method}"))
+
+    def info(self, timeout_s: float = 10.0) -> list[dict]:
+        """Each rank's report; a dead or unresponsive one is reported, not raised."""
+        out = []
+        for i, h in enumerate(self.handles):
+            try:
+                out.append(ray.get(h.info.remote(), timeout=timeout_s))
+            except (RayActorError, GetTimeoutError) as e:
+                out.append({"name": f"{self.name}-{i}", "group": self.name, "rank": i,
+                            "pid": self.pids[i], "healthy": False, "error": type(e).__name__})  # fmt: skip
+        return out
+
+
+class RoleProxy:
+    """A role served by a group, with the same methods as the in-process role."""
+
+    def __init__(self, group: WorkerGroup, role: str, cfg: HybridConfig) -> None:
+        self.group, self.role, self.cfg = group, role, cfg
+
+    # actor-rollout-ref
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        return self.group.call_split(self.role, "generate", batch, sampling)
+
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        return self.group.call_split(self.role, "compute_log_prob", _inputs(batch))
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        return self.group.call_split(self.role, "compute_ref_log_prob", _inputs(batch))
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return self.group.call_update(
+            self.role, "update_actor", _train(batch), self.cfg.actor.ppo_mini_batch_size
+        )
+
+    # critic
+    def compute_values(self, batch: Batch) -> Batch:
+        return self.group.call_split(self.role, "compute_values", _inputs(batch))
+
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        return self.group.call_update(
+            self.role, "update_critic", _train(batch), self.cfg.critic.ppo_mini_batch_size
+        )
+
+    # reward model
+    def score(self, batch: Batch) -> Batch:
+        return self.group.call_split(self.role, "score", _inputs(batch))
+
+    # state
+    def save(self, url: str) -> list[str]:
+        return [f for files in self.group.call_all(self.role, "save", url) for f in files]
+
+    def load(self, url: str) -> int:
+        return self.group.call_all(self.role, "load", url)[0]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.group.call_all(self.role, "full_state_dict")[0]
+
+    @property
+    def weights_version(self) -> int:
+        return self.group.info()[0]["weights_version"]
+
+
+INPUT_KEYS = ("input_ids", "attention_mask", "response_mask")
+TRAIN_KEYS = INPUT_KEYS + (
+    "advantages", "returns", "values", "old_log_probs", "ref_log_prob",
+)  # fmt: skip
+
+
+def _inputs(batch: Batch) -> Batch:
+    """Only what a forward pass needs travels to the workers."""
+    return batch.select(INPUT_KEYS, meta=False)
+
+
+def _train(batch: Batch) -> Batch:
+    return batch.select([k for k in TRAIN_KEYS if k in batch.tensors], meta=False)
+
+
+# -------------------------------------------------------------------------- the pool
+class Pool:
+    """Named, detached workers for one config; found again by later drivers."""
+
+    def __init__(self, cfg: HybridConfig, groups: dict[str, WorkerGroup]) -> None:
+        self.cfg, self.groups, self.name = cfg, groups, cfg.ray.pool_name
+        self.pad_token_id = load_tokenizer(cfg.model).pad_token_id
+        self.attach_seconds = 0.0
+        self.created = False
+        for g in groups.values():
+            g.pool = self
+
+    @staticmethod
+    def namespace(name: str) -> str:
+        return f"hybridrl-{name}"
+
+    @classmethod
+    def up(cls, cfg: HybridConfig) -> Pool:
+        """Attach to the pool named `ray.pool_name` (refused if built for another config), or
+        create it."""
+        connect(cfg)
+        start = time.perf_counter()
+        pool = cls.attach(cfg)
+        if pool is None:
+            pool = cls.create(cfg)
+            pool.created = True
+        pool.attach_seconds = time.perf_counter() - start
+        return pool
+
+    @classmethod
+    def attach(cls, cfg: HybridConfig) -> Pool | None:
+        """The running pool, or None if it has no workers; a partial or mismatched pool raises."""
+        ns, name = cls.namespace(cfg.ray.pool_name), cfg.ray.pool_name
+        plan = group_plan(cfg)
+        found = {w["name"] for w in ray.util.list_named_actors(all_namespaces=True)
+                 if w["namespace"] == ns}  # fmt: skip
+        if not found:
+            return None
+        wanted = {f"{g}-{r}" for g, (ranks, _) in plan.items() for r in range(ranks)}
+        if found != wanted:
+            raise PoolError(
+                f"pool {name!r} has workers {sorted(found)} but this config needs "
+                f"{sorted(wanted)}; tear it down with `hybridrl pool down --pool {name}` or set "
+                "another ray.pool_name"
+            )
+        handles = {n: ray.get_actor(n, namespace=ns) for n in sorted(found)}
+        try:
+            spec = ray.get(handles["actor-0"].get_spec.remote(), timeout=30)
+        except RayActorError:
+            raise WorkerDiedError(
+                f"worker actor-0 of pool {name!r} is dead; `hybridrl pool down --pool {name}`"
+            ) from None
+        want = pool_spec(cfg)
+        if spec != want:
+            diff = [k for k in want if spec.get(k) != want[k]]
+            detail = "; ".join(
+                f"{k}: pool has {spec.get(k)!r}, config asks {want[k]!r}" for k in diff
+            )
+            raise PoolError(
+                f"pool {name!r} was built for another config ({detail}). Tear it down with "
+                f"`hybridrl pool down --pool {name}` or set another ray.pool_name"
+            )
+        groups = {}
+        for g, (ranks, _) in plan.items():
+            hs = [handles[f"{g}-{r}"] for r in range(ranks)]
+            groups[g] = WorkerGroup(None, g, hs, [0] * ranks)  # type: ignore[arg-type]
+        pool = cls(cfg, groups)
+        for g in groups.values():
+            infos = g.info()
+            g.pids = [i["pid"] for i in infos]
+            dead = [i["name"] for i in infos if not i["healthy"]]
+            if dead:
+                raise WorkerDiedError(
+                    f"pool {name!r}: worker(s) {dead} are dead or unhealthy; "
+                    f"`hybridrl pool down --pool {name}`, then start again"
+                )
+            g.wait([h.configure.remote(cfg) for h in g.handles], "configure")
+        return pool
+
+    @classmethod
+    def create(cls, cfg: HybridConfig) -> Pool:
+        ns, r = cls.namespace(cfg.ray.pool_name), cfg.ray
+        plan = group_plan(cfg)
+        processes = sum(ranks for ranks, _ in plan.values())
+        threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // processes)
+        groups = {}
+        for g, (ranks, roles) in plan.items():
+            handles = [
+                RemoteWorker.options(
+                    name=f"{g}-{rank}", namespace=ns, lifetime="detached",
+                    num_cpus=r.num_cpus_per_rank, num_gpus=r.num_gpus_per_rank,
+                ).remote(cfg, g, rank, ranks, roles)
+                for rank in range(ranks)
+            ]  # fmt: skip
+            groups[g] = WorkerGroup(None, g, handles, [0] * ranks)  # type: ignore[arg-type]
+        pool = cls(cfg, groups)
+        try:
+            for g in groups.values():
+                init = g.wait([g.handles[0].address.remote()], "start", r.start_timeout_s)[0]
+                refs = [h.setup.remote(init, threads) for h in g.handles]
+                g.pids = [i["pid"] for i in g.wait(refs, "setup", r.start_timeout_s)]
+        except BaseException:
+            pool.down(stop_head=False)
+            raise
+        return pool
+
+    def role(self, role: str) -> RoleProxy:
+        group = "actor" if role in group_plan(self.cfg)["actor"][1] else role
+        return RoleProxy(self.groups[group], role, self.cfg)
+
+    def status(self) -> list[dict]:
+        return [i for g in self.groups.values() for i in g.info()]
+
+    def reset(self) -> None:
+        """Fresh weights and optimizers in every worker (a new run on a warm pool)."""
+        for g in self.groups.values():
+            g.wait([h.build.remote() for h in g.handles], "reset", self.cfg.ray.start_timeout_s)
+
+    def down(self, stop_head: bool = True) -> None:
+        down(self.name, stop_head)
+
+
+def pool_status(pool_name: str) -> list[dict]:
+    """Every worker's report (a dead one as unhealthy), without a config."""
+    ns = Pool.namespace(pool_name)
+    out = []
+    for n in find_workers(pool_name):
+        try:
+            out.append(ray.get(ray.get_actor(n, namespace=ns).info.remote(), timeout=10))
+        except (RayActorError, GetTimeoutError, ValueError) as e:
+            out.append({"name": n, "healthy": False, "error": type(e).__name__})
+    return out
+
+
+def find_workers(pool_name: str) -> list[str]:
+    ns = Pool.namespace(pool_name)
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ns
+    )
+
+
+def down(pool_name: str, stop_head: bool = True) -> list[str]:
+    """Kill the pool's workers; stop the local head too if no other pool is left on it."""
+    ns = Pool.namespace(pool_name)
+    killed = find_workers(pool_name)
+    for n in killed:
+        with contextlib.suppress(ValueError):  # already gone
+            ray.kill(ray.get_actor(n, namespace=ns), no_restart=True)
+    others = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"].startswith("hybridrl-") and a["namespace"] != ns]  # fmt: skip
+    if stop_head and not others and not (os.environ.get("RAY_ADDRESS")):
+        stop_local_head()
+    return killed

@@ -1,0 +1,305 @@
+"""Training layout (FSDP2), rollout layout (full weights) and the resharding between them.
+
+- `init_group` joins the worker group's torch.distributed world (gloo on CPU, NCCL on GPU).
+- `shard_model` applies FSDP2: `fully_shard` on every decoder layer, then on the root. With
+  one rank the model stays a plain module.
+- `RolloutWeights` gives the rollout engine full weights. One rank: the rollout module *is* the
+  training module (same storage, no copy). FSDP: before generation every parameter is gathered,
+  one at a time, from its shards into a full-weight rollout module; after generation the full
+  tensors are dropped again (`separate_copy` keeps them, the baseline that bench/memory.py
+  compares against).
+- `save_state` / `load_state` write and read a role's weights (full, safetensors), optimizer
+  and scheduler state, and RNG state at an fsspec URL. The files do not depend on the number
+  of ranks: a state saved with 2 ranks loads into 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import fsspec
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+# ------------------------------------------------------------------ process group
+def init_group(
+    rank: int, world_size: int, init_method: str, timeout_s: float, backend: str = "gloo"
+) -> None:
+    """Join the group's world; a collective waits at most `timeout_s` for a peer.
+    gloo for CPU tensors (the training layout here); nccl once training runs on GPUs."""
+    if world_size == 1 or dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce_sum(value: float) -> float:
+    """Sum of `value` over the group's ranks (itself with one rank)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)
+
+
+# ------------------------------------------------------------------ training layout
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP shards one by one (HF's `_no_split_modules` classes)."""
+    names = set()
+    for m in model.modules():
+        names |= set(getattr(m, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """FSDP2 over the current world: each decoder layer is one unit, the rest the root."""
+    if world_size() == 1:
+        return model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (world_size(),))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameters this rank holds (its shards)."""
+    return sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
+    )
+
+
+def to_float(x: torch.Tensor | float) -> float:
+    """A scalar that may be a DTensor (e.g. FSDP's grad norm)."""
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return float(x)
+
+
+# ------------------------------------------------------------------- rollout layout
+class RolloutWeights:
+    """Full weights for generation, taken from the training layout in memory."""
+
+    def __init__(self, train_model: nn.Module, separate_copy: bool, module: bool = True) -> None:
+        """Call before `shard_model(train_model)`: the rollout module is cloned full-size.
+        `module=False`: the rollout engine holds its own weights (vLLM); only the synced
+        version is tracked here."""
+        self.train_model = train_model
+        self.shares_storage = (world_size() == 1 and not separate_copy) or not module
+        self.keep = separate_copy
+        self.synced_version = -1
+        self.gather_seconds = 0.0
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        if self.shares_storage:
+            self.module = train_model
+            return
+        self.module = copy.deepcopy(train_model).requires_grad_(False)
+
+    def bind(self) -> None:
+        """Pair rollout and training parameters by name (after sharding) and drop the copy's
+        tensors until the first gather."""
+        if self.shares_storage:
+            return
+        train = dict(self.train_model.named_parameters())
+        roll = dict(self.module.named_parameters())
+        if train.keys() != roll.keys():
+            raise RuntimeError("rollout and training modules have different parameters")
+        self._pairs = [(train[k], roll[k]) for k in train]
+        if not self.keep:
+            self.release()
+
+    def gather(self, version: int) -> float:
+        """Make the rollout module hold weights `version`; returns the seconds it took.
+        Every rank of the group must call it (each shard is all-gathered in turn)."""
+        if self.shares_storage or self.synced_version == version:
+            return 0.0
+        start = time.perf_counter()
+        with torch.no_grad():
+            for train_p, roll_p in self._pairs:
+                if isinstance(train_p, DTensor):
+                    roll_p.data = train_p.full_tensor()  # one all-gather per parameter
+                else:
+                    roll_p.data.copy_(train_p.detach())  # separate copy at one rank
+        self.synced_version = version
+        self.gather_seconds = time.perf_counter() - start
+        return self.gather_seconds
+
+    def release(self) -> None:
+        """Free the full tensors (the training layout keeps its shards)."""
+        if self.shares_storage or self.keep:
+            return
+        for _, roll_p in self._pairs:
+            roll_p.data = torch.empty(0, dtype=roll_p.dtype, device=roll_p.device)
+        self.synced_version = -1
+
+    def data_ptrs(self) -> list[int]:
+        return [p.data_ptr() for p in self.module.parameters()]
+
+
+# ------------------------------------------------------------------------ state
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU weights; every rank must call it, rank 0 receives them."""
+    return get_model_state_dict(model, options=FULL)
+
+
+def _dedup(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses shared storage (tied embeddings): keep one, record the aliases."""
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    out, aliases = {}, {}
+    for k, t in tensors.items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if t.numel() and key in seen:
+            aliases[k] = seen[key]
+        else:
+            seen[key] = k
+            out[k] = t.contiguous()
+    return out, aliases
+
+
+def _write(url: str, data: bytes) -> None:
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(os.path.dirname(path), exist_ok=True)
+    with fs.open(path, "wb") as f:
+        f.write(data)
+
+
+def _read(url: str) -> bytes:
+    with fsspec.open(url, "rb") as f:
+        return f.read()
+
+
+def save_state(
+    url: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    extra: dict,
+) -> list[str]:
+    """Write `model.safetensors`, `optim.safetensors`, `state.json` (rank 0) and
+    `rng_rank<r>.safetensors` (every rank) under `url`. All ranks must call it."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    weights = full_state_dict(model)
+    optim = get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer else None
+    written = [f"{url}/rng_rank{rank}.safetensors"]
+    _write(written[0], st_save({"torch": torch.get_rng_state()}))
+    if rank != 0:
+        dist.barrier()  # returns once rank 0 has written everything
+        return written
+    tensors, aliases = _dedup(weights)
+    _write(f"{url}/model.safetensors", st_save(tensors))
+    doc = {"aliases": aliases, "extra": extra}
+    if optim is not None:
+        flat = {
+            f"{name}::{k}": torch.as_tensor(v).contiguous()
+            for name, st in optim["state"].items()
+            for k, v in st.items()
+        }
+        _write(f"{url}/optim.safetensors", st_save(flat))
+        doc["param_groups"] = optim["param_groups"]
+    if scheduler is not None:
+        doc["scheduler"] = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    _write(f"{url}/state.json", json.dumps(doc, sort_keys=True, default=list).encode())
+    if dist.is_initialized():
+        dist.barrier()
+    return written + [
+        f"{url}/{n}" for n in ("model.safetensors", "optim.safetensors", "state.json")
+    ]
+
+
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`full` in `param`'s layout: this rank's shard (no communication) or the tensor itself."""
+    full = full.to(param.dtype)
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full
+
+
+def load_state(
+    url: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> dict:
+    """Read what `save_state` wrote into this rank's layout; returns the saved `extra`.
+
+    Every rank reads the full files and keeps its own shards, so no collective is needed
+    and any rank count can load any save."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    doc = json.loads(_read(f"{url}/state.json"))
+    weights = st_load(_read(f"{url}/model.safetensors"))
+    for alias, target in doc["aliases"].items():
+        weights[alias] = weights[target]
+    params = dict(model.named_parameters())
+    missing = sorted(params.keys() - weights.keys())
+    if missing:
+        raise ValueError(f"{url}/model.safetensors lacks {missing[:5]} (another model?)")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = _like(weights[name], p)
+            if isinstance(p, DTensor):
+                p.to_local().copy_(src.to_local())
+            else:
+                p.copy_(src)
+    if optimizer is not None and "param_groups" in doc:
+        flat = st_load(_read(f"{url}/optim.safetensors"))
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        # the optimizer was built from model.parameters(): its indices follow that order
+        for i, (name, p) in enumerate(params.items()):
+            keys = [k for k in flat if k.rsplit("::", 1)[0] == name]
+            if keys:
+                state[i] = {
+                    k.rsplit("::", 1)[1]: flat[k] if flat[k].dim() == 0 else _like(flat[k], p)
+                    for k in keys
+                }
+        groups, start = [], 0
+        for g in doc["param_groups"]:
+            n = len(g["params"])
+            groups.append(
+                {**g, "betas": tuple(g["betas"]), "params": list(range(start, start + n))}
+            )
+            start += n
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if scheduler is not None and "scheduler" in doc:
+        scheduler.load_state_dict({**scheduler.state_dict(), **doc["scheduler"]})
+    with contextlib.suppress(FileNotFoundError):  # saved with fewer ranks: keep this RNG
+        torch.set_rng_state(st_load(_read(f"{url}/rng_rank{rank}.safetensors"))["torch"])
+    return doc["extra"]
+
+
+def named_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) one parameter at a time, for engines that load weights in place."""
+    for name, p in model.named_parameters():
+        yield name, p.full_tensor() if isinstance(p, DTensor) else p.detach()
