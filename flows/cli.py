@@ -64,7 +64,8 @@ def train(
             f"{cfg.trainer.total_training_steps} steps x {cfg.data.train_batch_size} prompts "
             f"x {cfg.rollout.n} samples"
         )
-        with console.status("loading model and data"):
+        where = "the Ray worker pool" if cfg.trainer.backend == "ray" else "this process"
+        with console.status(f"loading model and data ({where})"):
             engine = Engine(cfg)
         console.print(
             f"validation: {len(engine.data.val)} held-out questions "
@@ -108,6 +109,11 @@ def train(
             f"trained {cfg.trainer.total_training_steps} steps in {minutes:.1f} min; "
             f"final policy: {final}"
         )
+        if engine.pool is not None:
+            console.print(
+                f"worker pool {cfg.ray.pool_name!r} stays up for the next run "
+                f"(`hybridrl pool status`, `hybridrl pool down --pool {cfg.ray.pool_name}`)"
+            )
     except (KeyboardInterrupt, typer.Exit):
         raise
     except Exception as e:
@@ -153,7 +159,7 @@ def pool_status(pool: PoolName = "default") -> None:
             str(w.get("pid", "-")), str(w.get("weights_version", "-")),
             f"{w['rss_gb']:.2f}" if "rss_gb" in w else "-",
             f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
-            "ok" if healthy else f"[red]dead[/] ({w.get('error', 'unhealthy')})",
+            "ok" if healthy else f"[red]{w.get('error') or 'unhealthy'}[/]",
         )  # fmt: skip
     console.print(table)
 

@@ -199,13 +199,8 @@ class Worker:
     """One process of a group: hosts its roles on one rank. Runs as a detached Ray actor."""
 
     def __init__(self, cfg: HybridConfig, group: str, rank: int, world: int, roles: list[str]):
-        self.cfg, self.group, self.rank, self.world, self.role_names = (
-            cfg,
-            group,
-            rank,
-            world,
-            roles,
-        )
+        self.cfg, self.group, self.rank, self.world = cfg, group, rank, world
+        self.role_names = roles
         self.spec = pool_spec(cfg)
         self.roles: dict[str, Any] = {}
         self.error: str | None = None
@@ -230,6 +225,7 @@ class Worker:
         make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel}
         self.roles = {}  # free the old models first
         self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
+        self.error = None
 
     def configure(self, cfg: HybridConfig) -> None:
         """Take a run's settings that do not change what the workers hold (batch sizes,
@@ -241,7 +237,13 @@ class Worker:
             role.configure(cfg)
 
     def call(self, role: str, method: str, *args: Any) -> Any:
-        return getattr(self.roles[role], method)(*args)
+        """A stage operation of one role. A failure marks the worker unhealthy: under FSDP
+        its peers may be left mid-collective, so the group must be rebuilt."""
+        try:
+            return getattr(self.roles[role], method)(*args)
+        except Exception as e:
+            self.error = f"{role}.{method}: {type(e).__name__}: {e}"
+            raise
 
     def get_spec(self) -> dict:
         return self.spec
@@ -254,7 +256,7 @@ class Worker:
             "world": self.world, "roles": self.role_names, "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(), "rss_gb": mem / 1024**3,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
-            "healthy": bool(self.roles) and self.error is None,
+            "healthy": bool(self.roles) and self.error is None, "error": self.error,
         }  # fmt: skip
         for name, role in self.roles.items():
             out[name] = role.info()
@@ -490,6 +492,7 @@ class Pool:
                 RemoteWorker.options(
                     name=f"{g}-{rank}", namespace=ns, lifetime="detached",
                     num_cpus=r.num_cpus_per_rank, num_gpus=r.num_gpus_per_rank,
+                    runtime_env={"env_vars": r.worker_env},
                 ).remote(cfg, g, rank, ranks, roles)
                 for rank in range(ranks)
             ]  # fmt: skip

@@ -234,20 +234,6 @@ class VLLMRollout:
         )
         self._attach(llm, vllm.SamplingParams, pad_token_id, eos_token_id, in_process)
 
-    @classmethod
-    def from_engine(
-        cls,
-        llm: Any,
-        sampling_params_cls: Callable[..., Any],
-        pad_token_id: int,
-        eos_token_id: int,
-        in_process: bool = True,
-    ) -> VLLMRollout:
-        """Wrap an engine that already exists (or a test double with the same methods)."""
-        self = cls.__new__(cls)
-        self._attach(llm, sampling_params_cls, pad_token_id, eos_token_id, in_process)
-        return self
-
     def _attach(
         self,
         llm: Any,

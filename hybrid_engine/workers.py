@@ -376,6 +376,9 @@ class Critic:
         load_state(url, self.model, self.optimizer, self.scheduler)
         return 0
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
+
     def info(self) -> dict:
         return {"sharded": is_sharded(self.model), "local_params": local_numel(self.model)}
 
@@ -409,6 +412,9 @@ class RewardModel:
     def load(self, url: str) -> int:
         load_state(url, self.model, None, None)
         return 0
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
 
     def info(self) -> dict:
         return {"sharded": is_sharded(self.model), "local_params": local_numel(self.model)}

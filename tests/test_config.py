@@ -45,6 +45,28 @@ def test_precedence_defaults_yaml_env_override(tmp_path, monkeypatch):
         (["rollout.n=1"], "rollout.n=1"),
         (["rollout.n"], "not of the form"),
         (["rollout.name=vllm"], "rollout.name=vllm runs on GPUs in the Ray pool"),
+        (["actor.layout.dp=2"], "actor.layout.dp=2: the local backend runs one rank"),
+        (["ray.critic=separate"], "need trainer.backend=ray"),
+        (["trainer.backend=ray", "actor.layout.dp=3"], "must split evenly over 3"),
+        (
+            ["trainer.backend=ray", "actor.layout.dp=2", "actor.ppo_micro_batch_size=32"],
+            "actor.ppo_micro_batch_size=32 must divide the per-rank mini-batch",
+        ),
+        (["actor.layout.rollout.tp=2"], "actor.layout.rollout.tp=2: the hf rollout"),
+        (
+            ["trainer.backend=ray", "actor.layout.dp=2", "actor.layout.rollout.dp=1"],
+            "actor.layout.rollout.dp=1",
+        ),
+        (
+            [
+                "trainer.backend=ray",
+                "ray.num_gpus_per_rank=1",
+                "rollout.name=vllm",
+                "actor.layout.rollout.tp=2",
+            ],
+            "actor.layout.rollout.tp=2 x dp=1 must equal",
+        ),
+        (["ray.pool_name=../x"], "ray.pool_name='../x'"),
     ],
 )
 def test_errors_name_key_and_value(overrides, needle):

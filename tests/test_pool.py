@@ -30,6 +30,9 @@ def cfg(pool: str, *extra: str):
     )  # fmt: skip
 
 
+HEADS: set[str] = set()  # temp dirs of the heads these tests ran on
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_head(tmp_path_factory):
     """A head of our own (its own state dir), stopped at the end; nothing may survive it."""
@@ -38,14 +41,23 @@ def ray_head(tmp_path_factory):
     old = os.environ.get("HYBRIDRL_RAY_STATE")
     os.environ["HYBRIDRL_RAY_STATE"] = str(tmp_path_factory.mktemp("raystate"))
     yield
-    head = json.loads((pool.state_dir() / "head.json").read_text())
-    assert pool.stop_local_head()
-    left = pool._head_processes(head["temp_dir"])
-    assert not left, f"processes left behind: {[p.pid for p in left]}"
+    pool.stop_local_head()
+    left = [p.pid for d in HEADS for p in pool._head_processes(d)]
+    assert HEADS and not left, f"processes left behind: {left}"
     if old is None:
         os.environ.pop("HYBRIDRL_RAY_STATE")
     else:
         os.environ["HYBRIDRL_RAY_STATE"] = old
+
+
+@pytest.fixture(autouse=True)
+def note_head():
+    from hybrid_engine import pool
+
+    yield
+    state = pool.state_dir() / "head.json"
+    if state.is_file():
+        HEADS.add(json.loads(state.read_text())["temp_dir"])
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -165,3 +177,50 @@ def test_dead_worker_is_named_and_the_pool_is_rebuilt_from_saved_state(tmp_path)
     assert_same_weights({k: got[k] for k in saved}, saved)
     assert rebuilt.step(2)["weights_version"] == 2
     rebuilt.pool.down(stop_head=False)
+
+
+def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop():
+    """Actor FSDP over 2 ranks, critic FSDP over its own 2 ranks, reward model on its own."""
+    base = ["reward.model_path=tiny", "rollout.micro_batch_size=2"]
+    local, _ = train(load_config("configs/ppo_tiny.yaml", base))
+    engine = Engine(
+        load_config(
+            "configs/ppo_tiny.yaml",
+            [*base, "trainer.backend=ray", "ray.pool_name=ppo", "actor.layout.dp=2",
+             "ray.critic=separate", "ray.critic_dp=2", "ray.reward_model=separate"],
+        )
+    )  # fmt: skip
+    _, hist = train(engine.cfg, engine=engine)
+    names = {w["name"]: w["roles"] for w in engine.pool.status()}
+    assert names == {"actor-0": ["actor"], "actor-1": ["actor"], "critic-0": ["critic"],
+                     "critic-1": ["critic"], "rm-0": ["rm"]}  # fmt: skip
+    assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict())
+    assert_same_weights(engine.critic.full_state_dict(), local.critic.model.state_dict())
+    assert all(torch.isfinite(torch.tensor(h["critic/vf_loss"])) for h in hist)
+    engine.pool.down(stop_head=False)
+
+
+def test_cli_trains_on_the_pool_then_status_and_down(tmp_path):
+    def cli(*args):
+        env = {**os.environ, "PYTHONPATH": "tests"}
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    p = cli("train", "configs/grpo_tiny.yaml", SIGNAL, "trainer.backend=ray", "ray.pool_name=cli",
+            "actor.layout.dp=2", f"trainer.output_dir={tmp_path}", "trainer.run_id=r1")  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "worker pool 'cli' stays up" in p.stdout
+    weights = load_file(tmp_path / "r1" / "final" / "model.safetensors")
+    assert "model.embed_tokens.weight" in weights
+
+    status = cli("pool", "status", "--pool", "cli")
+    assert status.returncode == 0 and status.stdout.count(" ok ") == 2, status.stdout
+    assert "actor-1" in status.stdout and "1/2" in status.stdout
+    from hybrid_engine import pool
+
+    HEADS.add(json.loads((pool.state_dir() / "head.json").read_text())["temp_dir"])
+    down = cli("pool", "down", "--pool", "cli")
+    assert "stopped 2 worker(s)" in down.stdout, down.stdout + down.stderr
+    # the last pool on the local head: `pool down` stopped the head too
+    assert not (pool.state_dir() / "head.json").exists()
+    assert "no local head is running" in cli("pool", "status", "--pool", "cli").stdout

@@ -1,7 +1,7 @@
 """The `vllm` rollout backend.
 
-CPU tests cover the pure helpers and the backend's logic on a stand-in engine (vLLM cannot be
-installed in the CPU environment). The GPU tests start a real vLLM engine on a tiny random Llama
+CPU tests cover the pure helpers (vLLM cannot be installed in the CPU environment, and the
+engine is not imitated here). The GPU tests start a real vLLM engine on a tiny random Llama
 and skip cleanly unless `vllm` is importable and CUDA is available.
 """
 
@@ -16,7 +16,6 @@ from hybrid_engine.rollout import SamplingParams
 from hybrid_engine.rollout_vllm import (
     VLLMRollout,
     assemble_outputs,
-    load_weights_on_worker,
     sampled_logprobs,
     strip_left_padding,
     vllm_sampling_kwargs,
@@ -118,118 +117,6 @@ def test_weight_buckets_split_by_bytes_and_copy_to_cpu_only_when_asked():
     copied = list(weight_buckets(named, max_bytes=10**6, to_cpu=True))
     assert len(copied) == 1 and copied[0][2][1].data_ptr() != c.data_ptr()
     assert torch.equal(copied[0][2][1], c)
-
-
-def test_load_weights_on_worker_calls_model_load_weights():
-    seen = []
-    model = SimpleNamespace(load_weights=lambda weights: seen.extend(weights))
-    worker = SimpleNamespace(get_model=lambda: model)
-    weights = [("w", torch.ones(2)), ("v", torch.zeros(3))]
-    assert load_weights_on_worker(worker, weights) == 2
-    assert [n for n, _ in seen] == ["w", "v"]
-
-
-# ------------------------------------------------------- the backend on a stand-in engine
-class FakeLLM:
-    """Stands in for `vllm.LLM`: scripted completions, records every call."""
-
-    def __init__(self, responses: list[list[int]]) -> None:
-        self.responses = responses
-        self.calls: list[tuple] = []
-        self.loaded: list[tuple[str, torch.Tensor]] = []
-        model = SimpleNamespace(load_weights=self.loaded.extend)
-        self.worker = SimpleNamespace(get_model=lambda: model)
-
-    def generate(self, prompts, params, use_tqdm=True):
-        self.calls.append(("generate", prompts, params))
-        outs = []
-        for toks in self.responses[: len(prompts)]:
-            steps = [{t: SimpleNamespace(logprob=-(j + 1) / 8)} for j, t in enumerate(toks)]
-            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks, logprobs=steps)]))
-        return outs
-
-    def sleep(self, level=1):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append(("collective_rpc", len(args[0])))
-        return [method(self.worker, *args, **(kwargs or {}))]  # as UniProcExecutor runs it
-
-
-def fake_rollout(responses):
-    llm = FakeLLM(responses)
-    return llm, VLLMRollout.from_engine(llm, dict, pad_token_id=0, eos_token_id=2)
-
-
-def test_generate_follows_the_hf_rollout_contract():
-    llm, rollout = fake_rollout([[5, 2, 9], [7, 8, 6, 4], [2]])
-    prompt_ids = torch.tensor([[0, 0, 11, 12], [13, 14, 15, 16], [0, 17, 18, 19]])
-    prompt_mask = (prompt_ids != 0).long()
-    batch = Batch(
-        {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask},
-        {"uid": ["a", "b", "c"]},
-        {"row_offset": 4, "step": 1},
-    )
-    out = rollout.generate(batch, SamplingParams(max_new_tokens=4, temperature=1.0, seed=10))
-
-    _, prompts, params = llm.calls[0]
-    assert prompts == [
-        {"prompt_token_ids": [11, 12]},
-        {"prompt_token_ids": [13, 14, 15, 16]},
-        {"prompt_token_ids": [17, 18, 19]},
-    ]
-    assert [p["seed"] for p in params] == [14, 15, 16]
-    assert out["response_ids"].tolist() == [[5, 2, 0, 0], [7, 8, 6, 4], [2, 0, 0, 0]]
-    assert out["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert torch.equal(out["input_ids"], torch.cat([prompt_ids, out["response_ids"]], 1))
-    assert torch.equal(out["attention_mask"], torch.cat([prompt_mask, out["response_mask"]], 1))
-    assert out["rollout_log_probs"].tolist() == [
-        [-0.125, -0.25, 0, 0],
-        [-0.125, -0.25, -0.375, -0.5],
-        [-0.125, 0, 0, 0],
-    ]
-    assert out["uid"] == ["a", "b", "c"] and out.meta["step"] == 1
-    assert out.meta["gen_tokens"] == 7 and out.meta["gen_tokens_per_s"] > 0
-    assert out.meta["gen_seconds"] >= 0
-
-
-def test_sleep_wake_and_load_weights_wake_in_the_order_vllm_needs():
-    llm, rollout = fake_rollout([[2]])
-    rollout.sleep()
-    rollout.sleep()  # idempotent
-    weights = [
-        ("model.embed_tokens.weight", torch.ones(3, 2)),
-        ("lm_head.weight", torch.ones(3, 2)),
-    ]
-    assert rollout.load_weights(iter(weights)) == 2
-    assert llm.calls == [
-        ("sleep", 1),
-        ("wake_up", ["weights"]),
-        ("collective_rpc", 2),
-        ("wake_up", ["kv_cache"]),
-        ("reset_prefix_cache",),
-    ]
-    assert [n for n, _ in llm.loaded] == ["model.embed_tokens.weight", "lm_head.weight"]
-    assert not rollout.sleeping
-
-    llm.calls.clear()
-    assert rollout.load_weights(weights) == 2  # awake: no wake-up, prefix cache still reset
-    assert llm.calls == [("collective_rpc", 2), ("reset_prefix_cache",)]
-
-    llm.calls.clear()
-    rollout.sleep()
-    rollout.generate(
-        Batch({"prompt_ids": torch.tensor([[4]]), "prompt_mask": torch.tensor([[1]])}),
-        SamplingParams(2, temperature=0.0),
-    )
-    assert [c[0] for c in llm.calls] == ["sleep", "wake_up", "generate"]
-    assert llm.calls[1] == ("wake_up", None)
 
 
 @pytest.mark.skipif(HAS_VLLM and HAS_GPU, reason="vllm and a GPU are present")
