@@ -16,6 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybrid_engine.config import ModelConfig, TinyModelConfig
+
+# head_dim 64 (256 / 4 heads): every vLLM attention backend takes it
+VLLM_TINY = ModelConfig(tiny=TinyModelConfig(hidden_size=256, intermediate_size=512))
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable as `python bench/vllm_check.py` from the repo root
     sys.path.insert(0, str(ROOT))
@@ -43,26 +48,9 @@ def load_tokenizer(path: str | None):
 
 
 def build_tiny_llama(tokenizer, directory: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hybrid_engine.models import save_tiny_model
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # head_dim 64
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    save_tiny_model(VLLM_TINY, tokenizer, directory, seed=0, initializer_range=0.1)
 
 
 def prompts_batch(tokenizer):

@@ -121,6 +121,25 @@ def load_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int)
     return model.eval()  # no dropout anywhere: training is deterministic
 
 
+def save_tiny_model(
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    directory: str | Path,
+    seed: int,
+    **config_overrides: object,
+) -> PreTrainedModel:
+    """Write a tiny random Llama (shape `cfg.tiny`, LlamaConfig fields overridable) and the
+    tokenizer as a Hugging Face directory, e.g. for engines that load from files (vLLM)."""
+    config = tiny_llama_config(cfg, tokenizer)
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
 class CriticModel(nn.Module):
     """A causal-LM backbone with a scalar value head: V(s_t) for every position."""
 

@@ -44,6 +44,20 @@ def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> tor
     return (eos_before == 0).long()
 
 
+def with_responses(
+    batch: Batch, response_ids: torch.Tensor, response_mask: torch.Tensor, **extra: torch.Tensor
+) -> Batch:
+    """The prompt batch plus its responses and the joined prompt+response sequences."""
+    fields = {
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([batch["prompt_ids"], response_ids], dim=1),
+        "attention_mask": torch.cat([batch["prompt_mask"], response_mask], dim=1),
+        **extra,
+    }
+    return batch.union(Batch(fields))
+
+
 class HFRollout:
     """Batched sampling with `model.generate` (left padding, n samples already repeated)."""
 
@@ -88,16 +102,7 @@ class HFRollout:
         response_ids = torch.cat([pad_right(c, length, pad) for c in chunks])
         response_mask = response_mask_from_ids(response_ids, eos)
         response_ids = response_ids.masked_fill(response_mask == 0, pad)
-        out = batch.union(
-            Batch(
-                {
-                    "response_ids": response_ids,
-                    "response_mask": response_mask,
-                    "input_ids": torch.cat([batch["prompt_ids"], response_ids], dim=1),
-                    "attention_mask": torch.cat([batch["prompt_mask"], response_mask], dim=1),
-                }
-            )
-        )
+        out = with_responses(batch, response_ids, response_mask)
         tokens = int(response_mask.sum())
         out.meta.update(gen_tokens=tokens, gen_seconds=seconds, gen_tokens_per_s=tokens / seconds)
         return out

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.rollout import SamplingParams, response_mask_from_ids
+from hybrid_engine.rollout import SamplingParams, response_mask_from_ids, with_responses
 
 # Weights travel to the engine in buckets of at most this many bytes (one RPC per bucket).
 BUCKET_BYTES = 512 * 2**20
@@ -277,16 +277,8 @@ class VLLMRollout:
         response_ids, response_mask, rollout_log_probs = assemble_outputs(
             token_lists, logprob_lists, pad, eos
         )
-        out = batch.union(
-            Batch(
-                {
-                    "response_ids": response_ids,
-                    "response_mask": response_mask,
-                    "input_ids": torch.cat([batch["prompt_ids"], response_ids], dim=1),
-                    "attention_mask": torch.cat([batch["prompt_mask"], response_mask], dim=1),
-                    "rollout_log_probs": rollout_log_probs,
-                }
-            )
+        out = with_responses(
+            batch, response_ids, response_mask, rollout_log_probs=rollout_log_probs
         )
         tokens = int(response_mask.sum())
         out.meta.update(

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hybrid_engine.batch import Batch
+from hybrid_engine.config import ModelConfig, TinyModelConfig
 from hybrid_engine.rollout import SamplingParams
 from hybrid_engine.rollout_vllm import (
     VLLMRollout,
@@ -22,6 +23,8 @@ from hybrid_engine.rollout_vllm import (
     weight_buckets,
 )
 
+# head_dim 64 (256 / 4 heads): every vLLM attention backend takes it
+VLLM_TINY = ModelConfig(tiny=TinyModelConfig(hidden_size=256, intermediate_size=512))
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not (HAS_VLLM and HAS_GPU), reason="needs vllm and a CUDA GPU")
@@ -132,27 +135,10 @@ def engine(tmp_path_factory, tokenizer):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hybrid_engine.models import save_tiny_model
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # head_dim 64: every vLLM attention backend takes it
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    model = save_tiny_model(VLLM_TINY, tokenizer, path, seed=0, initializer_range=0.1)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rollout = VLLMRollout(
         str(path),
