@@ -127,6 +127,12 @@ class Batch:
         non = {k: [x for b in batches for x in b.non_tensors[k]] for k in first.non_tensors}
         return Batch(tensors, non, dict(first.meta))
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with its tensors on `device` (no copy when already there)."""
+        return Batch(
+            {k: t.to(device) for k, t in self.tensors.items()}, self.non_tensors, self.meta
+        )
+
     def repeat_interleave(self, n: int) -> Batch:
         """Each sample repeated `n` times in place: [a, b] -> [a, a, b, b] for n=2."""
         tensors = {k: t.repeat_interleave(n, dim=0) for k, t in self.tensors.items()}

@@ -292,6 +292,12 @@ class HybridConfig(BaseSettings):
         return self.data.train_batch_size * self.rollout.n
 
     @property
+    def device(self) -> str:
+        """Where the workers' models live: GPUs when the pool reserves them, else the CPU."""
+        gpu = self.trainer.backend == "ray" and self.ray.num_gpus_per_rank > 0
+        return "cuda" if gpu else "cpu"
+
+    @property
     def use_reward_model(self) -> bool:
         return self.reward.model_path is not None
 

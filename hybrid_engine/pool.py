@@ -213,7 +213,11 @@ class Worker:
         from hybrid_engine.sharding import init_group
 
         torch.set_num_threads(threads)
-        init_group(self.rank, self.world, init_method, self.cfg.ray.call_timeout_s)
+        backend = "gloo"
+        if self.cfg.device == "cuda":  # Ray exposes this worker's GPU as device 0
+            torch.cuda.set_device(0)
+            backend = "nccl"
+        init_group(self.rank, self.world, init_method, self.cfg.ray.call_timeout_s, backend)
         self.build()
         return self.info()
 

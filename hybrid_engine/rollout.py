@@ -79,12 +79,13 @@ class HFRollout:
         offset = int(batch.meta.get("row_offset", 0))
         start = time.perf_counter()
         chunks = []
+        device = self.model.device
         for i, part in enumerate(batch.split(self.micro_batch_size)):
             torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
-            prompt_ids = part["prompt_ids"]
+            prompt_ids = part["prompt_ids"].to(device)
             out = self.model.generate(
                 input_ids=prompt_ids,
-                attention_mask=part["prompt_mask"],
+                attention_mask=part["prompt_mask"].to(device),
                 max_new_tokens=sampling.max_new_tokens,
                 do_sample=not sampling.greedy,
                 temperature=sampling.temperature if not sampling.greedy else None,
@@ -94,7 +95,7 @@ class HFRollout:
                 eos_token_id=eos,
                 use_cache=True,
             )
-            chunks.append(out[:, prompt_ids.shape[1] :])
+            chunks.append(out[:, prompt_ids.shape[1] :].cpu())
         seconds = time.perf_counter() - start
         self.model.train(was_training)
 

@@ -65,7 +65,8 @@ def all_reduce_sum(value: float) -> float:
     """Sum of `value` over the group's ranks (itself with one rank)."""
     if world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t)
 
@@ -83,8 +84,7 @@ def shard_model(model: nn.Module) -> nn.Module:
     """FSDP2 over the current world: each decoder layer is one unit, the rest the root."""
     if world_size() == 1:
         return model
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world_size(),))
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world_size(),))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -241,7 +241,7 @@ def save_state(
 
 def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`full` in `param`'s layout: this rank's shard (no communication) or the tensor itself."""
-    full = full.to(param.dtype)
+    full = full.to(param.device, param.dtype)
     if isinstance(param, DTensor):
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     return full

@@ -85,13 +85,23 @@ def pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, length - t.shape[1]))
 
 
-def micro_batches(batch: Batch, size: int, fn: Callable[[Batch], dict[str, torch.Tensor]]) -> Batch:
-    """Apply `fn` to trimmed micro-batches; re-pad its (micro, resp) outputs and concatenate."""
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def micro_batches(
+    batch: Batch,
+    size: int,
+    fn: Callable[[Batch], dict[str, torch.Tensor]],
+    device: torch.device | str = "cpu",
+) -> Batch:
+    """Apply `fn` to trimmed micro-batches on `device`; re-pad its (micro, resp) outputs and
+    concatenate them on the CPU."""
     outs: dict[str, list[torch.Tensor]] = defaultdict(list)
     for micro in batch.split(size):
         small, _, full = trim(micro)
-        for k, v in fn(small).items():
-            outs[k].append(pad_to(v, full))
+        for k, v in fn(small.to(device)).items():
+            outs[k].append(pad_to(v.cpu(), full))
     return Batch({k: torch.cat(v) for k, v in outs.items()})
 
 
@@ -105,7 +115,7 @@ class ActorRolloutRef:
 
     def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg = cfg
-        self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
+        self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed).to(cfg.device)
         self.ref = None
         if cfg.use_reference:
             self.ref = shard_model(copy.deepcopy(self.policy).requires_grad_(False))
@@ -178,7 +188,9 @@ class ActorRolloutRef:
             )
             return {key: logp, "entropy": ent} if entropy else {key: logp}
 
-        return micro_batches(batch, self.cfg.actor.log_prob_micro_batch_size, fn)
+        return micro_batches(
+            batch, self.cfg.actor.log_prob_micro_batch_size, fn, model_device(model)
+        )
 
     # ------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -284,6 +296,7 @@ def ppo_updates(
     its statistics; metrics are their means, plus `<prefix>/grad_norm` and `<prefix>/lr`.
     """
     sums: dict[str, list[float]] = defaultdict(list)
+    device = model_device(model)
     model.train()
     for _ in range(epochs):
         for mini in batch.split(mini_batch_size):
@@ -291,7 +304,7 @@ def ppo_updates(
             optimizer.zero_grad(set_to_none=True)
             for micro, w in zip(mini.split(micro_batch_size), weights, strict=True):
                 small, keep, _ = trim(micro)
-                loss, stats = loss_fn(micro, small, keep)
+                loss, stats = loss_fn(micro.to(device), small.to(device), keep)
                 (loss * w).backward()
                 for k, v in stats.items():
                     sums[k].append(float(v.detach()))
@@ -327,7 +340,7 @@ class Critic:
     def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg: CriticConfig = cfg.critic
         self.model = load_critic(cfg.model, cfg.critic.model_path, tokenizer, cfg.trainer.seed)
-        shard_model(self.model)
+        shard_model(self.model.to(cfg.device))
         self.optimizer, self.scheduler = make_optimizer(
             list(self.model.parameters()), cfg.critic.optim
         )
@@ -346,7 +359,10 @@ class Critic:
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         return micro_batches(
-            batch, self.log_prob_micro_batch_size, lambda mb: {"values": self._values(mb)}
+            batch,
+            self.log_prob_micro_batch_size,
+            lambda mb: {"values": self._values(mb)},
+            model_device(self.model),
         )
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -387,7 +403,9 @@ class RewardModel:
     """A sequence classifier: the score of a sample is its logit at the last real token."""
 
     def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.model = shard_model(load_reward_model(cfg.reward.model_path, tokenizer, cfg))
+        self.model = shard_model(
+            load_reward_model(cfg.reward.model_path, tokenizer, cfg).to(cfg.device)
+        )
         self.micro_batch_size = cfg.reward.model_micro_batch_size
 
     def configure(self, cfg: HybridConfig) -> None:
@@ -400,10 +418,11 @@ class RewardModel:
         for mb in batch.select(["input_ids", "attention_mask"], meta=False).split(
             self.micro_batch_size
         ):
+            mb = mb.to(model_device(self.model))
             am = mb["attention_mask"]
             scores = self.model(mb["input_ids"], am, position_ids_from_mask(am))
             last = am.shape[1] - 1 - am.flip(-1).argmax(-1)  # last real token of each row
-            out.append(scores[torch.arange(len(last)), last])
+            out.append(scores[torch.arange(len(last)), last].cpu())
         return Batch({"rm_scores": torch.cat(out)})
 
     def save(self, url: str) -> list[str]:
