@@ -19,6 +19,7 @@ torch.distributed world. A pool built for another model or layout is refused, no
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -277,8 +278,15 @@ RemoteWorker = ray.remote(max_restarts=0, concurrency_groups={"status": 1})(Work
 class WorkerGroup:
     """The ranks of one group: call a method on all of them, split / gather the batch."""
 
-    def __init__(self, pool: Pool, name: str, handles: list[Any], pids: list[int]) -> None:
-        self.pool, self.name, self.handles, self.pids = pool, name, handles, pids
+    def __init__(self, cfg: HybridConfig, name: str, handles: list[Any]) -> None:
+        self.cfg, self.name, self.handles = cfg, name, handles
+        self.pool_name = cfg.ray.pool_name
+        self.pids = [0] * len(handles)  # filled in once the workers answer
+
+    @functools.cached_property
+    def pad_token_id(self) -> int:
+        """Fills token-id fields when ranks' results are gathered (read on first use)."""
+        return load_tokenizer(self.cfg.model).pad_token_id
 
     @property
     def ranks(self) -> int:
@@ -286,7 +294,7 @@ class WorkerGroup:
 
     def wait(self, refs: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
         """Results in rank order; a dead worker or a timeout raises at once, naming it."""
-        timeout_s = timeout_s or self.pool.cfg.ray.call_timeout_s
+        timeout_s = timeout_s or self.cfg.ray.call_timeout_s
         deadline = time.monotonic() + timeout_s
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
@@ -307,8 +315,8 @@ class WorkerGroup:
                 except RayActorError as e:
                     raise WorkerDiedError(
                         f"{what}: worker {self.name}-{i} (pid {self.pids[i]}) of pool "
-                        f"{self.pool.name!r} died ({type(e).__name__}). Re-create the pool "
-                        f"(`hybridrl pool down --pool {self.pool.name}`, then start again) and "
+                        f"{self.pool_name!r} died ({type(e).__name__}). Re-create the pool "
+                        f"(`hybridrl pool down --pool {self.pool_name}`, then start again) and "
                         "restore the last saved state."
                     ) from None
         return results
@@ -322,7 +330,7 @@ class WorkerGroup:
         refs = [
             h.call.remote(role, method, p, *args) for h, p in zip(self.handles, parts, strict=True)
         ]
-        return gather_rows(self.wait(refs, f"{role}.{method}"), pad, self.pool.pad_token_id)
+        return gather_rows(self.wait(refs, f"{role}.{method}"), pad, self.pad_token_id)
 
     def call_update(self, role: str, method: str, batch: Batch, mini_batch_size: int) -> dict:
         parts = split_for_update(batch, self.ranks, mini_batch_size)
@@ -387,7 +395,9 @@ class RoleProxy:
 
     @property
     def weights_version(self) -> int:
-        return self.group.info()[0]["weights_version"]
+        """Rank 0's version (the ranks step together)."""
+        ref = self.group.handles[0].info.remote()
+        return self.group.wait([ref], "weights_version")[0]["weights_version"]
 
 
 INPUT_KEYS = ("input_ids", "attention_mask", "response_mask")
@@ -411,11 +421,8 @@ class Pool:
 
     def __init__(self, cfg: HybridConfig, groups: dict[str, WorkerGroup]) -> None:
         self.cfg, self.groups, self.name = cfg, groups, cfg.ray.pool_name
-        self.pad_token_id = load_tokenizer(cfg.model).pad_token_id
         self.attach_seconds = 0.0
         self.created = False
-        for g in groups.values():
-            g.pool = self
 
     @staticmethod
     def namespace(name: str) -> str:
@@ -470,7 +477,7 @@ class Pool:
         groups = {}
         for g, (ranks, _) in plan.items():
             hs = [handles[f"{g}-{r}"] for r in range(ranks)]
-            groups[g] = WorkerGroup(None, g, hs, [0] * ranks)  # type: ignore[arg-type]
+            groups[g] = WorkerGroup(cfg, g, hs)
         pool = cls(cfg, groups)
         for g in groups.values():
             infos = g.info()
@@ -500,7 +507,7 @@ class Pool:
                 ).remote(cfg, g, rank, ranks, roles)
                 for rank in range(ranks)
             ]  # fmt: skip
-            groups[g] = WorkerGroup(None, g, handles, [0] * ranks)  # type: ignore[arg-type]
+            groups[g] = WorkerGroup(cfg, g, handles)
         pool = cls(cfg, groups)
         try:
             for g in groups.values():

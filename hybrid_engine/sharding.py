@@ -113,12 +113,10 @@ def to_float(x: torch.Tensor | float) -> float:
 class RolloutWeights:
     """Full weights for generation, taken from the training layout in memory."""
 
-    def __init__(self, train_model: nn.Module, separate_copy: bool, module: bool = True) -> None:
-        """Call before `shard_model(train_model)`: the rollout module is cloned full-size.
-        `module=False`: the rollout engine holds its own weights (vLLM); only the synced
-        version is tracked here."""
+    def __init__(self, train_model: nn.Module, separate_copy: bool) -> None:
+        """Call before `shard_model(train_model)`: the rollout module is cloned full-size."""
         self.train_model = train_model
-        self.shares_storage = (world_size() == 1 and not separate_copy) or not module
+        self.shares_storage = world_size() == 1 and not separate_copy
         self.keep = separate_copy
         self.synced_version = -1
         self.gather_seconds = 0.0

@@ -119,17 +119,22 @@ class ActorRolloutRef:
         self.ref = None
         if cfg.use_reference:
             self.ref = shard_model(copy.deepcopy(self.policy).requires_grad_(False))
-        lay = cfg.actor.layout
-        self.rollout_weights = RolloutWeights(
-            self.policy, lay.rollout.separate_copy, module=cfg.rollout.name == "hf"
-        )
+        # hf generates from a module in rollout layout; vLLM holds its own copy of the weights
+        self.rollout_weights = None
+        if cfg.rollout.name == "hf":
+            self.rollout_weights = RolloutWeights(
+                self.policy, cfg.actor.layout.rollout.separate_copy
+            )
         shard_model(self.policy)
-        self.rollout_weights.bind()
+        if self.rollout_weights is not None:
+            self.rollout_weights.bind()
+        self.pushed_version = -1  # the weights version the vLLM engine holds
         # The optimizer sees the training layout's parameters (this rank's shards).
         self.optimizer, self.scheduler = make_optimizer(
             list(self.policy.parameters()), cfg.actor.optim
         )
-        self.rollout = make_rollout(cfg, self.rollout_weights.module, tokenizer)
+        module = self.rollout_weights.module if self.rollout_weights else self.policy
+        self.rollout = make_rollout(cfg, module, tokenizer)
         self.weights_version = 0
 
     def configure(self, cfg: HybridConfig) -> None:
@@ -155,9 +160,9 @@ class ActorRolloutRef:
         """Wake the engine, push the new weights in place if the version moved, generate,
         sleep again (level 1: weights offloaded, KV cache freed for training)."""
         start = time.perf_counter()
-        if self.rollout_weights.synced_version != self.weights_version:
+        if self.pushed_version != self.weights_version:
             self.rollout.load_weights(named_full_tensors(self.policy))
-            self.rollout_weights.synced_version = self.weights_version
+            self.pushed_version = self.weights_version
         reshard_s = time.perf_counter() - start
         try:
             out = self.rollout.generate(batch, sampling)
@@ -241,7 +246,9 @@ class ActorRolloutRef:
         """Restore what `save` wrote; returns the restored weights version."""
         extra = load_state(url, self.policy, self.optimizer, self.scheduler)
         self.weights_version = int(extra["weights_version"])
-        self.rollout_weights.synced_version = -1
+        self.pushed_version = -1
+        if self.rollout_weights is not None:
+            self.rollout_weights.synced_version = -1
         return self.weights_version
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -249,12 +256,13 @@ class ActorRolloutRef:
         return full_state_dict(self.policy)
 
     def info(self) -> dict:
+        rw = self.rollout_weights
         return {
             "weights_version": self.weights_version,
             "sharded": is_sharded(self.policy),
             "local_params": local_numel(self.policy),
-            "rollout_shares_storage": self.rollout_weights.shares_storage,
-            "last_reshard_s": self.rollout_weights.gather_seconds,
+            "rollout_shares_storage": bool(rw and rw.shares_storage),
+            "last_reshard_s": rw.gather_seconds if rw else None,
         }
 
 
