@@ -1,118 +1,65 @@
 """`hybridrl`: the command line.
 
-    hybridrl train CONFIG [key.path=value ...]
-    hybridrl pool status [--pool NAME]     the persistent workers: version, role, rank, RSS
-    hybridrl pool down [--pool NAME]       stop them (and the local Ray head if it is idle)
+    hybridrl train CONFIG [key.path=value ...]   a run as the Prefect `train` flow
+    hybridrl resume RUN_ID [storage.root=...]    continue a run where it stopped
+    hybridrl pool status [--pool NAME]           the persistent workers: version, role, RSS
+    hybridrl pool down [--pool NAME]             stop them (and the local Ray head if idle)
 
-Prints the run id, shows per-step progress, saves the final policy to
-`<trainer.output_dir>/<run_id>/final/`, and exits 0; on failure it exits 1 with one line
-naming the problem (`--debug` shows the traceback).
+`train` prints the run id and one line per step, and leaves the final policy in
+`<storage.root>/<run_id>/final/`; on failure it exits 1 with one line naming the problem
+(`--debug` shows the traceback).
 """
 
 from __future__ import annotations
 
-import re
-import time
-from pathlib import Path
+import logging
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 app = typer.Typer(add_completion=False, help="hybridrl: RL post-training for language models.")
 console = Console()
 
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+Overrides = Annotated[
+    list[str] | None, typer.Argument(help="dotted overrides: actor.optim.lr=1e-6")
+]
+Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
 
 
-def make_run_id(config_path: str, given: str | None) -> str:
-    run_id = given or f"{Path(config_path).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not RUN_ID.match(run_id) or ".." in run_id:
-        raise ValueError(
-            f"trainer.run_id={run_id!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return run_id
+class _NoTraceback(logging.Filter):
+    """Prefect logs a failed task's or flow's traceback; without --debug one line is enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
 
 
-def _fmt(m: dict[str, float], key: str, spec: str = ".3f") -> str:
-    return format(m[key], spec) if key in m else "-"
-
-
-@app.command()
-def train(
-    config: Annotated[str, typer.Argument(help="YAML preset, e.g. configs/demo_cpu.yaml")],
-    overrides: Annotated[
-        list[str] | None, typer.Argument(help="dotted overrides: actor.optim.lr=1e-6")
-    ] = None,
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks")] = False,
-) -> None:
-    """Train a policy with RL (in-process loop)."""
+def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resume: bool,
+              debug: bool) -> None:  # fmt: skip
     try:
-        from hybrid_engine.config import load_config
-        from hybrid_engine.trainer import Engine
-        from hybrid_engine.trainer import train as train_loop
-        from storage.final import save_final
+        if not resume:  # bad input fails here, in a second, before Prefect starts
+            from hybrid_engine.config import load_config
+            from storage.store import new_run_id, validate_run_id
 
-        cfg = load_config(config, overrides or [])
-        run_id = make_run_id(config, cfg.trainer.run_id)
-        cfg.trainer.run_id = run_id
-        console.print(f"run id: [bold]{run_id}[/]")
-        console.print(
-            f"{cfg.algorithm.adv_estimator} on {cfg.model.path}, {cfg.data.train_source}: "
-            f"{cfg.trainer.total_training_steps} steps x {cfg.data.train_batch_size} prompts "
-            f"x {cfg.rollout.n} samples"
-        )
-        where = "the Ray worker pool" if cfg.trainer.backend == "ray" else "this process"
-        with console.status(f"loading model and data ({where})"):
-            engine = Engine(cfg)
-        console.print(
-            f"validation: {len(engine.data.val)} held-out questions "
-            f"({engine.data.val_dropped} dropped for also being in training)"
-        )
-        progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console,
-        )  # fmt: skip
-        task = progress.add_task("steps", total=cfg.trainer.total_training_steps, info="")
+            cfg = load_config(config, overrides)
+            run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
+            console.print(f"run id: [bold]{run_id}[/]")
+        from flows.train import train as train_flow
 
-        def on_step(step: int, m: dict[str, float]) -> None:
-            if step == 0:
-                console.print(f"val/accuracy before training: {m.get('val/accuracy', 0):.3f}")
-                return
-            progress.console.print(
-                f"step {step:>4}  score {_fmt(m, 'critic/score/mean')}  "
-                f"val_acc {_fmt(m, 'val/accuracy')}  pg_loss {_fmt(m, 'actor/pg_loss', '+.4f')}  "
-                f"entropy {_fmt(m, 'actor/entropy')}  len {_fmt(m, 'response_length/mean', '.1f')}  "
-                f"gen {_fmt(m, 'perf/tokens_per_s_rollout', '.0f')} tok/s  "
-                f"{_fmt(m, 'timing_s/step', '.1f')} s"
-            )
-            progress.update(task, advance=1, info=f"score {m.get('critic/score/mean', 0):.2f}")
-
-        start = time.perf_counter()
-        with progress:
-            _, history = train_loop(cfg, on_step=on_step, engine=engine)
-        minutes = (time.perf_counter() - start) / 60
-        final = save_final(
-            Path(cfg.trainer.output_dir) / run_id, engine.policy(), engine.tokenizer, cfg,
-            history,
-        )  # fmt: skip
-        before = history[0].get("val/accuracy") if history[0]["step"] == 0 else None
-        after = history[-1].get("val/accuracy")
-        if before is not None and after is not None:
+        if not debug:
+            for handler in logging.getLogger().handlers:  # Prefect's console handler
+                handler.addFilter(_NoTraceback())
+        result = train_flow(config=config, overrides=overrides, run_id=run_id, resume=resume)
+        rows = result.get("last", {})
+        console.print(f"run {result['run_id']}: {result['steps']} steps recorded")
+        if "val/accuracy" in rows:
+            console.print(f"final val/accuracy: {rows['val/accuracy']:.3f}")
+        console.print(f"final policy: {result['uri']}")
+        if result.get("pool"):
             console.print(
-                f"held-out greedy accuracy: {before:.3f} -> {after:.3f} "
-                f"({(after - before) * 100:+.1f} points)"
-            )
-        console.print(
-            f"trained {cfg.trainer.total_training_steps} steps in {minutes:.1f} min; "
-            f"final policy: {final}"
-        )
-        if engine.pool is not None:
-            console.print(
-                f"worker pool {cfg.ray.pool_name!r} stays up for the next run "
-                f"(`hybridrl pool status`, `hybridrl pool down --pool {cfg.ray.pool_name}`)"
+                f"worker pool {result['pool']!r} stays up for the next run "
+                f"(`hybridrl pool status`, `hybridrl pool down --pool {result['pool']}`)"
             )
     except (KeyboardInterrupt, typer.Exit):
         raise
@@ -121,6 +68,30 @@ def train(
             raise
         console.print(f"[red]error:[/] {type(e).__name__}: {e}", soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+@app.command()
+def train(
+    config: Annotated[str, typer.Argument(help="YAML preset, e.g. configs/demo_cpu.yaml")],
+    overrides: Overrides = None,
+    run_id: Annotated[str | None, typer.Option(help="default: <preset>-<timestamp>")] = None,
+    debug: Debug = False,
+) -> None:
+    """Train a policy with RL: the Prefect `train` flow, each stage checkpointed."""
+    _run_flow(config, overrides or [], run_id, False, debug)
+
+
+@app.command()
+def resume(
+    run_id: Annotated[str, typer.Argument(help="the run to continue")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="storage.root=... (where the run is), ray.*, more steps, ..."),
+    ] = None,
+    debug: Debug = False,
+) -> None:
+    """Continue a run where it stopped: committed stages are skipped, nothing regenerated."""
+    _run_flow(None, overrides or [], run_id, True, debug)
 
 
 pool_app = typer.Typer(help="The persistent Ray worker pool.")

@@ -158,7 +158,8 @@ class Batch:
     # ------------------------------------------------------------ persistence
     def to_bytes(self) -> tuple[bytes, bytes]:
         """(safetensors bytes, JSON bytes) for the tensors and for everything else."""
-        tensors = {k: t.detach().contiguous().cpu() for k, t in self.tensors.items()}
+        # clones: safetensors refuses fields that share memory (returns = advantages in GRPO)
+        tensors = {k: t.detach().cpu().clone() for k, t in self.tensors.items()}
         doc = {"non_tensors": self.non_tensors, "meta": self.meta, "len": len(self)}
         return st_save(tensors), json.dumps(doc, sort_keys=True).encode()
 

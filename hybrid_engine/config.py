@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -203,12 +204,66 @@ class TrainerConfig(Section):
     seed: int = 1
     test_freq: int = Field(0, ge=0, description="validate every N steps; 0 = only at the end")
     val_before_train: bool = True
-    output_dir: str = "runs"
+    save_freq: int = Field(
+        0,
+        ge=0,
+        description="weights checkpoint every N steps (and always at the end); 0 = end only",
+    )
+    max_ckpt_to_keep: int = Field(
+        2, ge=0, description="checkpoints kept; older ones are deleted; 0 = all"
+    )
     backend: Literal["local", "ray"] = Field(
         "local", description="local = roles in this process; ray = the persistent worker pool"
     )
     run_id: str | None = Field(None, description="None = <preset>-<timestamp>")
     num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "output_dir" in data:
+            raise ValueError("trainer.output_dir was replaced by storage.root")
+        return data
+
+
+class StorageConfig(Section):
+    """Where a run's stage state, checkpoints and final policy live (any fsspec URL).
+
+    S3 credentials come from the environment or the standard AWS chain
+    (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE ...), never from this config."""
+
+    root: str = Field("runs", description="a local directory or s3://bucket/prefix")
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (None = AWS)"
+    )
+    timeout_s: float = Field(60, gt=0, description="connect/read timeout of one S3 request")
+    retries: int = Field(
+        4, ge=0, description="botocore retries of one S3 request (standard mode, with backoff)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secrets(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if any(w in key.lower() for w in ("key", "secret", "token", "password")):
+                    raise ValueError(
+                        f"storage.{key}: credentials never go in the config; set "
+                        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment"
+                    )
+            root = data.get("root")
+            if isinstance(root, str) and "@" in urlsplit(root).netloc:
+                raise ValueError("storage.root: credentials never go in the URL")
+        return data
+
+
+class PipelineConfig(Section):
+    """The Prefect stage pipeline: retries of a stage task on a transient failure."""
+
+    retries: int = Field(2, ge=0, description="retries of a stage task on a transient error")
+    retry_delay_s: float = Field(
+        2.0, ge=0, description="first retry delay; doubles on each further retry"
+    )
 
 
 class RayConfig(Section):
@@ -266,6 +321,8 @@ class HybridConfig(BaseSettings):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -452,7 +509,7 @@ def _describe(err: ValidationError) -> str:
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key {key!r} (value {e['input']!r})")
-        elif key:
+        elif key and e["type"] != "value_error":  # our own validators name the key
             lines.append(f"{key}={e['input']!r}: {e['msg']}")
         else:
             lines.append(e["msg"].removeprefix("Value error, "))
@@ -472,6 +529,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    token = _YAML_DATA.set(data)
+    try:
+        return HybridConfig(**parse_overrides(overrides or []))
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {_describe(e)}") from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> HybridConfig:
+    """Like `load_config`, from a dict in place of the YAML file (a stored run's config)."""
     token = _YAML_DATA.set(data)
     try:
         return HybridConfig(**parse_overrides(overrides or []))

@@ -92,7 +92,11 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
         "--include-dashboard=false", f"--dashboard-port={_free_port()}", f"--temp-dir={temp_dir}",
     ]  # fmt: skip
     env = {**os.environ, **RAY_ENV}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    env.pop("HYBRIDRL_FAULT", None)  # crash points are the driver's (storage/faults.py)
+    # its own session: the head outlives the driver, and Ctrl-C (SIGINT to the terminal's
+    # process group) or a kill of the driver's group does not reach it
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          start_new_session=True)  # fmt: skip
     if proc.returncode != 0:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise PoolError(f"`ray start --head` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -250,7 +254,8 @@ class Worker:
             self.error = f"{role}.{method}: {type(e).__name__}: {e}"
             raise
 
-    def get_spec(self) -> dict:
+    @ray.method(concurrency_group="status")
+    def get_spec(self) -> dict:  # answers at once; `configure` then waits for a call in flight
         return self.spec
 
     @ray.method(concurrency_group="status")
@@ -384,11 +389,15 @@ class RoleProxy:
         return self.group.call_split(self.role, "score", _inputs(batch))
 
     # state
-    def save(self, url: str) -> list[str]:
-        return [f for files in self.group.call_all(self.role, "save", url) for f in files]
+    def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
+        """Every rank writes its part; {file name: sha256} of all of them."""
+        parts = self.group.call_all(self.role, "save", url, storage_options)
+        return {name: sha for part in parts for name, sha in part.items()}
 
-    def load(self, url: str) -> int:
-        return self.group.call_all(self.role, "load", url)[0]
+    def load(
+        self, url: str, storage_options: dict | None = None, expected: dict | None = None
+    ) -> int:
+        return self.group.call_all(self.role, "load", url, storage_options, expected)[0]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.group.call_all(self.role, "full_state_dict")[0]
@@ -398,6 +407,12 @@ class RoleProxy:
         """Rank 0's version (the ranks step together)."""
         ref = self.group.handles[0].info.remote()
         return self.group.wait([ref], "weights_version")[0]["weights_version"]
+
+    @property
+    def weights_run(self) -> str | None:
+        """The run whose updates made the weights rank 0 holds (None = fresh)."""
+        ref = self.group.handles[0].info.remote()
+        return self.group.wait([ref], "weights_run")[0][self.role]["weights_run"]
 
 
 INPUT_KEYS = ("input_ids", "attention_mask", "response_mask")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import os
 import time
@@ -187,16 +188,26 @@ def _dedup(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
     return out, aliases
 
 
-def _write(url: str, data: bytes) -> None:
-    fs, path = fsspec.core.url_to_fs(url)
+class CorruptObject(ValueError):
+    """A stored object whose bytes do not match the sha256 recorded when it was written."""
+
+
+def _write(url: str, data: bytes, options: dict | None) -> str:
+    """Write `data` to `url` (any fsspec URL); returns its sha256."""
+    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
     fs.makedirs(os.path.dirname(path), exist_ok=True)
-    with fs.open(path, "wb") as f:
-        f.write(data)
+    fs.pipe_file(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
-def _read(url: str) -> bytes:
-    with fsspec.open(url, "rb") as f:
-        return f.read()
+def _read(url: str, options: dict | None, expected: dict[str, str] | None = None) -> bytes:
+    """Read `url`; with `expected` (file name -> sha256) the bytes must match."""
+    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
+    data = fs.cat_file(path)
+    name = url.rsplit("/", 1)[-1]
+    if expected is not None and expected.get(name) != hashlib.sha256(data).hexdigest():
+        raise CorruptObject(f"{url}: sha256 differs from the one recorded at save")
+    return data
 
 
 def save_state(
@@ -205,19 +216,25 @@ def save_state(
     optimizer: torch.optim.Optimizer | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     extra: dict,
-) -> list[str]:
+    storage_options: dict | None = None,
+) -> dict[str, str]:
     """Write `model.safetensors`, `optim.safetensors`, `state.json` (rank 0) and
-    `rng_rank<r>.safetensors` (every rank) under `url`. All ranks must call it."""
+    `rng_rank<r>.safetensors` (every rank) under `url`. All ranks must call it.
+    Returns {file name: sha256} of what this rank wrote."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     weights = full_state_dict(model)
     optim = get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer else None
-    written = [f"{url}/rng_rank{rank}.safetensors"]
-    _write(written[0], st_save({"torch": torch.get_rng_state()}))
+
+    def write(name: str, data: bytes) -> None:
+        written[name] = _write(f"{url}/{name}", data, storage_options)
+
+    written: dict[str, str] = {}
+    write(f"rng_rank{rank}.safetensors", st_save({"torch": torch.get_rng_state()}))
     if rank != 0:
         dist.barrier()  # returns once rank 0 has written everything
         return written
     tensors, aliases = _dedup(weights)
-    _write(f"{url}/model.safetensors", st_save(tensors))
+    write("model.safetensors", st_save(tensors))
     doc = {"aliases": aliases, "extra": extra}
     if optim is not None:
         flat = {
@@ -225,16 +242,14 @@ def save_state(
             for name, st in optim["state"].items()
             for k, v in st.items()
         }
-        _write(f"{url}/optim.safetensors", st_save(flat))
+        write("optim.safetensors", st_save(flat))
         doc["param_groups"] = optim["param_groups"]
     if scheduler is not None:
         doc["scheduler"] = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-    _write(f"{url}/state.json", json.dumps(doc, sort_keys=True, default=list).encode())
+    write("state.json", json.dumps(doc, sort_keys=True, default=list).encode())
     if dist.is_initialized():
         dist.barrier()
-    return written + [
-        f"{url}/{n}" for n in ("model.safetensors", "optim.safetensors", "state.json")
-    ]
+    return written
 
 
 def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -250,14 +265,25 @@ def load_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    storage_options: dict | None = None,
+    expected: dict[str, str] | None = None,
 ) -> dict:
     """Read what `save_state` wrote into this rank's layout; returns the saved `extra`.
 
     Every rank reads the full files and keeps its own shards, so no collective is needed
-    and any rank count can load any save."""
+    and any rank count can load any save. With `expected` ({file name: sha256}) every file
+    is checked before anything is changed: a mismatch raises `CorruptObject`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    doc = json.loads(_read(f"{url}/state.json"))
-    weights = st_load(_read(f"{url}/model.safetensors"))
+
+    def read(name: str) -> bytes:
+        return _read(f"{url}/{name}", storage_options, expected)
+
+    doc = json.loads(read("state.json"))
+    weights = st_load(read("model.safetensors"))
+    flat = st_load(read("optim.safetensors")) if optimizer and "param_groups" in doc else None
+    rng = None
+    with contextlib.suppress(FileNotFoundError):  # saved with fewer ranks: keep this RNG
+        rng = st_load(read(f"rng_rank{rank}.safetensors"))["torch"]
     for alias, target in doc["aliases"].items():
         weights[alias] = weights[target]
     params = dict(model.named_parameters())
@@ -271,8 +297,7 @@ def load_state(
                 p.to_local().copy_(src.to_local())
             else:
                 p.copy_(src)
-    if optimizer is not None and "param_groups" in doc:
-        flat = st_load(_read(f"{url}/optim.safetensors"))
+    if optimizer is not None and flat is not None:
         state: dict[int, dict[str, torch.Tensor]] = {}
         # the optimizer was built from model.parameters(): its indices follow that order
         for i, (name, p) in enumerate(params.items()):
@@ -292,8 +317,8 @@ def load_state(
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     if scheduler is not None and "scheduler" in doc:
         scheduler.load_state_dict({**scheduler.state_dict(), **doc["scheduler"]})
-    with contextlib.suppress(FileNotFoundError):  # saved with fewer ranks: keep this RNG
-        torch.set_rng_state(st_load(_read(f"{url}/rng_rank{rank}.safetensors"))["torch"])
+    if rng is not None:
+        torch.set_rng_state(rng)
     return doc["extra"]
 
 

@@ -51,6 +51,13 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**63
 
 
+def make_kl_ctrl(cfg: HybridConfig) -> AdaptiveKLController | FixedKLController:
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return FixedKLController(k.kl_coef)
+
+
 class Engine:
     """Holds the roles (actor/rollout/ref, critic, reward model), the data and the scorer.
 
@@ -88,12 +95,17 @@ class Engine:
                 self.critic = Critic(cfg, self.tokenizer)
             if cfg.use_reward_model:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
-        k = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = (
-            AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
-            if k.type == "adaptive"
-            else FixedKLController(k.kl_coef)
-        )
+        self.kl_ctrl = make_kl_ctrl(cfg)
+
+    def reset_weights(self) -> None:
+        """Fresh weights, optimizers and KL coefficient, as a new run starts with."""
+        if self.pool is not None:
+            self.pool.reset()
+        else:
+            self.actor = ActorRolloutRef(self.cfg, self.tokenizer)
+            if self.critic is not None:
+                self.critic = Critic(self.cfg, self.tokenizer)
+        self.kl_ctrl = make_kl_ctrl(self.cfg)
 
     @property
     def on_policy_single_update(self) -> bool:
@@ -263,11 +275,7 @@ class Engine:
         """One full step; returns its metrics."""
         start = time.perf_counter()
         result = self.update(self.advantage(self.reward(self.rollout(step))))
-        metrics = dict(result.meta["metrics"])
-        metrics["timing_s/step"] = time.perf_counter() - start
-        metrics["perf/throughput"] = metrics.pop("_tokens") / metrics["timing_s/step"]
-        metrics["perf/peak_rss_gb"] = peak_rss_gb()
-        return metrics
+        return finish_step(result.meta["metrics"], time.perf_counter() - start)
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
@@ -291,6 +299,15 @@ class Engine:
             "val/response_length/mean": float(batch["response_mask"].sum(-1).float().mean()),
             "timing_s/val": time.perf_counter() - start,
         }
+
+
+def finish_step(metrics: dict[str, float], seconds: float) -> dict[str, float]:
+    """A step's metrics from its update's: wall time, tokens/s over the step, peak RSS."""
+    metrics = dict(metrics)
+    metrics["timing_s/step"] = seconds
+    metrics["perf/throughput"] = metrics.pop("_tokens") / seconds
+    metrics["perf/peak_rss_gb"] = peak_rss_gb()
+    return metrics
 
 
 def batch_stats(batch: Batch, max_new_tokens: int) -> dict[str, float]:

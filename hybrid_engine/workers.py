@@ -136,6 +136,7 @@ class ActorRolloutRef:
         module = self.rollout_weights.module if self.rollout_weights else self.policy
         self.rollout = make_rollout(cfg, module, tokenizer)
         self.weights_version = 0
+        self.weights_run: str | None = None  # the run whose updates made these weights
 
     def configure(self, cfg: HybridConfig) -> None:
         """A run's settings that leave models and optimizer as they are."""
@@ -234,18 +235,26 @@ class ActorRolloutRef:
             a.loss_agg_mode, a.optim.grad_clip,
         )  # fmt: skip
         self.weights_version += 1
+        self.weights_run = self.cfg.trainer.run_id
         return metrics
 
     # -------------------------------------------------------------------- state
-    def save(self, url: str) -> list[str]:
-        """Weights, optimizer, scheduler and RNG state under `url` (all ranks call it)."""
-        extra = {"weights_version": self.weights_version}
-        return save_state(url, self.policy, self.optimizer, self.scheduler, extra)
+    def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
+        """Weights, optimizer, scheduler and RNG state under `url` (all ranks call it);
+        returns {file name: sha256} of what this rank wrote."""
+        extra = {"weights_version": self.weights_version, "weights_run": self.weights_run}
+        return save_state(url, self.policy, self.optimizer, self.scheduler, extra, storage_options)
 
-    def load(self, url: str) -> int:
-        """Restore what `save` wrote; returns the restored weights version."""
-        extra = load_state(url, self.policy, self.optimizer, self.scheduler)
+    def load(
+        self, url: str, storage_options: dict | None = None, expected: dict | None = None
+    ) -> int:
+        """Restore what `save` wrote (checked against `expected` sha256 sums when given);
+        returns the restored weights version."""
+        extra = load_state(
+            url, self.policy, self.optimizer, self.scheduler, storage_options, expected
+        )
         self.weights_version = int(extra["weights_version"])
+        self.weights_run = extra.get("weights_run")
         self.pushed_version = -1
         if self.rollout_weights is not None:
             self.rollout_weights.synced_version = -1
@@ -259,6 +268,7 @@ class ActorRolloutRef:
         rw = self.rollout_weights
         return {
             "weights_version": self.weights_version,
+            "weights_run": self.weights_run,
             "sharded": is_sharded(self.policy),
             "local_params": local_numel(self.policy),
             "rollout_shares_storage": bool(rw and rw.shares_storage),
@@ -393,11 +403,13 @@ class Critic:
             c.loss_agg_mode, c.optim.grad_clip,
         )  # fmt: skip
 
-    def save(self, url: str) -> list[str]:
-        return save_state(url, self.model, self.optimizer, self.scheduler, {})
+    def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
+        return save_state(url, self.model, self.optimizer, self.scheduler, {}, storage_options)
 
-    def load(self, url: str) -> int:
-        load_state(url, self.model, self.optimizer, self.scheduler)
+    def load(
+        self, url: str, storage_options: dict | None = None, expected: dict | None = None
+    ) -> int:
+        load_state(url, self.model, self.optimizer, self.scheduler, storage_options, expected)
         return 0
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -433,11 +445,13 @@ class RewardModel:
             out.append(scores[torch.arange(len(last)), last].cpu())
         return Batch({"rm_scores": torch.cat(out)})
 
-    def save(self, url: str) -> list[str]:
-        return save_state(url, self.model, None, None, {})
+    def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
+        return save_state(url, self.model, None, None, {}, storage_options)
 
-    def load(self, url: str) -> int:
-        load_state(url, self.model, None, None)
+    def load(
+        self, url: str, storage_options: dict | None = None, expected: dict | None = None
+    ) -> int:
+        load_state(url, self.model, None, None, storage_options, expected)
         return 0
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,37 +1,54 @@
-"""The end of a run: the trained policy as Hugging Face safetensors + tokenizer, and
-`summary.json` (resolved config and the last step's metrics) beside it."""
+"""The end of a run: `<root>/<run_id>/final/` holds the trained policy (Hugging Face
+safetensors + tokenizer) and `summary.json` (resolved config, per-step metrics), committed
+like a stage."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
+import tempfile
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybrid_engine.config import HybridConfig
+from storage.store import RunStore
+
+FINAL = "final"
+
+
+def history(store: RunStore, total_steps: int) -> list[dict[str, Any]]:
+    """Per-step metrics from the committed stages: {step, update metrics, validation}."""
+    rows = []
+    for step in range(total_steps + 1):
+        row: dict[str, Any] = {}
+        for stage in ("update", "validate"):
+            got = store.load_stage(step, stage)
+            if got is not None:
+                row |= got.meta["metrics"]
+        if row:
+            rows.append({"step": step, **row})
+    return rows
 
 
 def save_final(
-    run_dir: str | Path,
+    store: RunStore,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     cfg: HybridConfig,
-    history: list[dict[str, Any]],
-) -> Path:
-    """Write `<run_dir>/final/` (model, tokenizer, summary.json); returns that folder."""
-    final = Path(run_dir) / "final"
-    final.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(final, safe_serialization=True)
-    tokenizer.save_pretrained(final)
+    rows: list[dict[str, Any]],
+) -> str:
+    """Write and commit `final/` (model, tokenizer, summary.json); returns its URI."""
     summary = {
+        "run_id": store.run_id,
         "config": cfg.model_dump(mode="json"),
-        "steps": len([h for h in history if h.get("step", 0) > 0]),
-        "last_step_metrics": history[-1] if history else {},
-        "history": history,
+        "steps": len([h for h in rows if h.get("step", 0) > 0]),
+        "last_step_metrics": rows[-1] if rows else {},
+        "history": rows,
     }
-    tmp = final / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
-    os.replace(tmp, final / "summary.json")
-    return final
+    with tempfile.TemporaryDirectory(prefix="hybridrl-final-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        with open(f"{tmp}/summary.json", "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+        files = store.put_dir(tmp, FINAL)
+    return store.commit(FINAL, files, {"steps": summary["steps"]})

@@ -1,5 +1,15 @@
-"""Prefect tasks, one per stage (rollout, reward, advantage, update).
+"""Prefect tasks, one per stage (`stages.py`: rollout, reward, advantage, update, validate)
+and the run's checkpoints, restore and end (`checkpoint.py`).
 
-Not built yet: the stage pipeline issue adds them. Until then `hybridrl train` drives the
-engine's four stage calls from a plain in-process loop (`hybrid_engine.trainer.train`).
+Importing this package sets Prefect's environment defaults (before Prefect is imported):
+its ephemeral API gets 120 s to start on a busy machine, and analytics stay off.
 """
+
+import os
+
+for _key, _value in {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+}.items():
+    os.environ.setdefault(_key, _value)

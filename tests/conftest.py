@@ -1,6 +1,10 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/servers.py, tests/reward_fns.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,3 +23,34 @@ def tiny_cfg():
     from hybrid_engine.config import load_config
 
     return load_config("configs/grpo_tiny.yaml")
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real Prefect API (`prefect server start` on 127.0.0.1), shared by the driver
+    processes of the pipeline tests so that each does not start its own temporary one."""
+    from servers import start_prefect, stop
+
+    proc, url = start_prefect(tmp_path_factory.mktemp("prefect-home"))
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """The S3-compatible server `.ci/run` started ($HYBRIDRL_TEST_S3), else one of our own
+    (moto's standalone server); the AWS credentials the tests use are set for this process."""
+    from servers import start_moto, stop
+
+    os.environ.update(S3_ENV)
+    proc = None
+    url = os.environ.get("HYBRIDRL_TEST_S3")
+    if not url:
+        proc, url = start_moto()
+    yield url
+    if proc is not None:
+        stop(proc)

@@ -18,10 +18,10 @@ def run(*args, cwd):
 
 def test_train_saves_final_policy_and_summary(tmp_path):
     root = Path(__file__).parents[1]
-    p = run("train", str(root / "configs/grpo_tiny.yaml"), f"trainer.output_dir={tmp_path}",
+    p = run("train", str(root / "configs/grpo_tiny.yaml"), f"storage.root={tmp_path}",
             "trainer.run_id=t1", "reward.function=reward_fns:length_score", cwd=root)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "run id: t1" in p.stdout
+    assert "run t1: 2 steps recorded" in p.stdout
     final = tmp_path / "t1" / "final"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "summary.json"):
         assert (final / name).is_file(), name
@@ -38,8 +38,9 @@ def test_train_saves_final_policy_and_summary(tmp_path):
     [
         (["configs/grpo_tiny.yaml", "actor.optim.lrr=1"], "unknown key 'actor.optim.lrr'"),
         (["configs/missing.yaml"], "does not exist"),
-        (["configs/grpo_tiny.yaml", "trainer.run_id=../x"], "trainer.run_id='../x'"),
+        (["configs/grpo_tiny.yaml", "trainer.run_id=../x"], "run id '../x'"),
         (["configs/grpo_tiny.yaml", "reward.function=nope:fn"], "reward.function='nope:fn'"),
+        (["configs/grpo_tiny.yaml", "trainer.output_dir=x"], "replaced by storage.root"),
     ],
 )
 def test_train_fails_with_one_line(args, needle):

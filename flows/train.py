@@ -1,0 +1,184 @@
+"""The `train` flow: a training run as a Prefect flow, four checkpointed tasks per step.
+
+    restore            the engine holds the weights the run needs next
+    validate(0)        before training (trainer.val_before_train)
+    for each step N:
+        rollout(N) -> reward(N) -> advantage(N) -> update(N)
+        validate(N)    every trainer.test_freq steps and at the end
+        checkpoint(N)  every trainer.save_freq steps and at the end
+    finish             final policy + summary.json
+
+Every task skips work its stage has committed, so the same flow both starts a run and
+resumes one (`resume_from=<run_id>`), wherever the previous flow run stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from hybrid_engine.config import ConfigError, HybridConfig, config_from_dict, flatten, load_config
+from hybrid_engine.trainer import Engine
+from storage.faults import fault_point
+from storage.store import RunStore, new_run_id, validate_run_id
+from tasks.checkpoint import checkpoint, finish, restore
+from tasks.stages import advantage, reward, rollout, update, validate
+
+# What a resumed run may change: where things live and run, not what is computed.
+RESUME_MAY_CHANGE = (
+    "storage.", "ray.", "pipeline.", "trainer.total_training_steps", "trainer.num_threads",
+    "trainer.backend", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
+)  # fmt: skip
+
+
+def flow_run_name() -> str:
+    """The run id (a deployment run without one is named after its preset until it starts)."""
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    return p.get("run_id") or f"{Path(p.get('config') or 'run').stem}-new"
+
+
+@flow(name="train", flow_run_name=flow_run_name, log_prints=True)
+def train(
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    run_id: str | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """Train a policy (or, with `resume=True`, continue run `run_id` where it stopped)."""
+    logger = get_run_logger()
+    cfg, store = open_run(config, overrides or [], run_id, resume)
+    t = cfg.trainer
+    engine = Engine(cfg, reset_pool=not resume)
+    if not resume:  # recorded once the run could start (a bad config leaves nothing behind)
+        store.write_run({"run_id": store.run_id, "config": cfg.model_dump(mode="json"),
+                         "code_version": code_version(), "created_at": time.time()})  # fmt: skip
+    start, how = restore(engine, store)
+    logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
+    opts = task_options(cfg)
+    rollout_, reward_, advantage_, update_ = (
+        s.with_options(**opts) for s in (rollout, reward, advantage, update)
+    )
+    validate_, checkpoint_ = validate.with_options(**opts), checkpoint.with_options(**opts)
+
+    if t.val_before_train:
+        validate_(engine, store, 0)
+    step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
+    for step in range(start, t.total_training_steps + 1):
+        began = time.perf_counter()
+        stages = [rollout_(engine, store, step), reward_(engine, store, step),
+                  advantage_(engine, store, step)]  # fmt: skip
+        done = update_(engine, store, step, sum(s["wall_s"] for s in stages))
+        step_wall_s[step] = time.perf_counter() - began
+        last = step == t.total_training_steps
+        if last or (t.test_freq and step % t.test_freq == 0):
+            done["metrics"] = {**done["metrics"], **validate_(engine, store, step)["metrics"]}
+        if last or (t.save_freq and step % t.save_freq == 0):
+            checkpoint_(engine, store, step, t.max_ckpt_to_keep)
+        fault_point(f"step-{step}:end")
+        logger.info(step_line(step, done["metrics"], [*stages, done]))
+    pool = cfg.ray.pool_name if engine.pool is not None else None
+    return finish(engine, store) | {"run_id": store.run_id, "pool": pool,
+                                    "step_wall_s": step_wall_s}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- helpers
+def open_run(
+    config: str | None, overrides: list[str], run_id: str | None, resume: bool
+) -> tuple[HybridConfig, RunStore]:
+    """A new run: resolve its config (refusing a run id already used).
+    A resumed run: read its stored config, apply the overrides a resume may change."""
+    if resume:
+        if not run_id:
+            raise ConfigError("resume needs the run id")
+        where = load_config(None, [o for o in overrides if o.startswith("storage.")])
+        store = RunStore(where.storage, validate_run_id(run_id))
+        doc = store.read_run()
+        if doc is None:
+            raise FileNotFoundError(f"no run {run_id!r} under {where.storage.root}")
+        stored = config_from_dict(doc["config"])
+        cfg = config_from_dict(doc["config"], overrides)
+        a, b = flatten(stored), flatten(cfg)
+        changed = [k for k in b if a.get(k) != b[k] and not k.startswith(RESUME_MAY_CHANGE)]
+        if changed:
+            raise ConfigError(
+                f"resume cannot change {', '.join(changed)} (it would change what the run "
+                f"computes); start a new run instead"
+            )
+        return cfg, RunStore(cfg.storage, run_id)
+    cfg = load_config(config, overrides)
+    cfg.trainer.run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
+    store = RunStore(cfg.storage, cfg.trainer.run_id)
+    if store.read_run() is not None:
+        raise FileExistsError(
+            f"run {store.run_id!r} already exists in {cfg.storage.root}: resume it with "
+            f"`hybridrl resume {store.run_id}` or choose another trainer.run_id"
+        )
+    return cfg, store
+
+
+def task_options(cfg: HybridConfig) -> dict[str, Any]:
+    """Retries with exponential backoff, for transient failures only."""
+    p = cfg.pipeline
+    return {
+        "retries": p.retries,
+        "retry_delay_seconds": [p.retry_delay_s * 2**i for i in range(p.retries)] or 0,
+        "retry_condition_fn": retry_if_transient,
+    }
+
+
+NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                 FileExistsError)  # fmt: skip
+
+
+def is_transient(e: BaseException) -> bool:
+    """Worth retrying: I/O and network errors (S3, a connection reset, a timeout)."""
+    if isinstance(e, NOT_TRANSIENT):
+        return False
+    if isinstance(e, OSError):  # ConnectionError, TimeoutError, socket errors
+        return True
+    return type(e).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
+
+
+def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
+    error = state.result(raise_on_failure=False)
+    retry = isinstance(error, BaseException) and is_transient(error)
+    if not retry:
+        logging.getLogger("hybridrl").error("%s failed for good: %r", task_run.name, error)
+    return retry
+
+
+def code_version() -> str:
+    """The package version, plus the git commit when run from a checkout."""
+    v = package_version("hybridrl")
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{v}+{sha}" if sha else v
+
+
+def _fmt(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
+    return format(m[key], spec) if key in m else "-"
+
+
+def step_line(step: int, m: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    skipped = [r["stage"] for r in results if r["skipped"]]
+    return (
+        f"step {step:>4}  score {_fmt(m, 'critic/score/mean')}  "
+        f"val_acc {_fmt(m, 'val/accuracy')}  pg_loss {_fmt(m, 'actor/pg_loss', '+.4f')}  "
+        f"entropy {_fmt(m, 'actor/entropy')}  len {_fmt(m, 'response_length/mean', '.1f')}  "
+        f"gen {_fmt(m, 'perf/tokens_per_s_rollout', '.0f')} tok/s  "
+        f"{_fmt(m, 'timing_s/step', '.1f')} s"
+        + (f"  (from storage: {', '.join(skipped)})" if skipped else "")
+    )

@@ -1,0 +1,309 @@
+"""A run's stage state on any fsspec URL: a local directory (default `runs`) or
+`s3://bucket/prefix` (s3fs, any S3-compatible endpoint).
+
+    <root>/<run_id>/
+      run.json                     resolved config, code version, created time
+      steps/<N>/<stage>/           batch.safetensors + batch.json (the stage's output batch),
+                                   meta.json (metrics, small facts), COMMITTED
+      checkpoints/step_<N>/        actor/ (critic/) weights, optimizer, scheduler, RNG,
+                                   meta.json (step, weights version, driver state), COMMITTED
+      latest.json                  last committed (step, stage) and last checkpoint
+      final/                       the trained policy (HF safetensors + tokenizer), summary.json
+
+A stage is written object by object, then committed by one `COMMITTED` object holding the
+sha256 of every object (one PUT on S3; write-then-rename on a local disk). Readers trust
+only committed stages and check every object against its sum: a half-written stage is
+invisible, a corrupted one is reported (naming the object) and redone. Tensors go to
+safetensors, the rest to JSON: nothing stored can run code when read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
+from hybrid_engine.config import StorageConfig
+from storage.faults import fault_point
+
+log = logging.getLogger("hybridrl.storage")
+
+MARKER = "COMMITTED"
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_run_id(run_id: str) -> str:
+    """A run id is one path segment: 1-128 of [A-Za-z0-9._-], starting with a letter or digit."""
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id) or ".." in run_id:
+        raise ValueError(
+            f"run id {run_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit (no '/', no '..')"
+        )
+    return run_id
+
+
+def new_run_id(config_path: str | None) -> str:
+    """`<preset>-<YYYYmmdd-HHMMSS>` for a run started without a given id."""
+    stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
+    return validate_run_id(f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def storage_options(cfg: StorageConfig, credentials: bool = False) -> dict[str, Any]:
+    """fsspec options for `cfg.root`. S3 credentials are read from the environment only,
+    and only passed on (`credentials=True`) to processes that may not share it (Ray
+    workers); otherwise s3fs finds them itself (environment or the AWS chain)."""
+    if not cfg.root.startswith("s3://"):
+        return {}
+    opts: dict[str, Any] = {
+        "config_kwargs": {
+            "connect_timeout": cfg.timeout_s,
+            "read_timeout": cfg.timeout_s,
+            "retries": {"max_attempts": cfg.retries + 1, "mode": "standard"},
+        },
+    }
+    endpoint = cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        opts["endpoint_url"] = endpoint
+    if credentials:
+        for opt, var in (
+            ("key", "AWS_ACCESS_KEY_ID"),
+            ("secret", "AWS_SECRET_ACCESS_KEY"),
+            ("token", "AWS_SESSION_TOKEN"),
+        ):
+            if os.environ.get(var):
+                opts[opt] = os.environ[var]
+    return opts
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Stage:
+    """A committed stage: its output batch (None for stages that only hold metrics) and meta."""
+
+    batch: Batch | None
+    meta: dict[str, Any]
+    uri: str
+
+
+class RunStore:
+    """The objects of one run under `<root>/<run_id>`."""
+
+    def __init__(self, cfg: StorageConfig, run_id: str) -> None:
+        self.cfg = cfg
+        self.run_id = validate_run_id(run_id)
+        self.url = f"{cfg.root.rstrip('/')}/{run_id}"
+        self.fs, self.path = fsspec.core.url_to_fs(self.url, **storage_options(cfg))
+        self.local = isinstance(self.fs, LocalFileSystem)
+        if self.local:
+            self.url = self.path = os.path.abspath(self.path)
+        self._latest: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------- objects
+    def uri(self, rel: str) -> str:
+        return f"{self.url}/{rel}"
+
+    def _p(self, rel: str) -> str:
+        return f"{self.path}/{rel}"
+
+    def put(self, rel: str, data: bytes, atomic: bool = False) -> str:
+        """Write one object; returns its sha256. `atomic` matters on a local disk only
+        (an S3 PUT is all or nothing): write a temporary file, then rename it."""
+        path = self._p(rel)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if atomic:
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+                return sha256(data)
+        self.fs.pipe_file(path, data)
+        return sha256(data)
+
+    def get(self, rel: str) -> bytes:
+        return self.fs.cat_file(self._p(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self._p(rel))
+
+    def get_json(self, rel: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.get(rel))
+        except FileNotFoundError:
+            return None
+
+    def put_json(self, rel: str, doc: dict[str, Any]) -> str:
+        data = json.dumps(doc, indent=1, sort_keys=True).encode()
+        return self.put(rel, data, atomic=True)
+
+    def remove(self, rel: str) -> None:
+        if self.fs.exists(self._p(rel)):
+            self.fs.rm(self._p(rel), recursive=True)
+
+    # ------------------------------------------------------------- commits
+    def commit(self, rel_dir: str, files: dict[str, str], meta: dict[str, Any]) -> str:
+        """Make `rel_dir` visible: one marker object naming every file and its sha256."""
+        doc = {"files": files, "committed_at": time.time(), "writer_pid": os.getpid(), **meta}
+        self.put_json(f"{rel_dir}/{MARKER}", doc)
+        return self.uri(rel_dir)
+
+    def marker(self, rel_dir: str) -> dict[str, Any] | None:
+        """The marker of a committed directory (None if there is none or it is unreadable)."""
+        try:
+            doc = self.get_json(f"{rel_dir}/{MARKER}")
+        except json.JSONDecodeError:
+            return None
+        return doc if doc and isinstance(doc.get("files"), dict) else None
+
+    def read_committed(self, rel_dir: str) -> tuple[dict[str, bytes], dict[str, Any]] | None:
+        """Every object of a committed directory, checked against its sum. None when the
+        directory is not committed, or when an object is missing or corrupted (warned)."""
+        doc = self.marker(rel_dir)
+        if doc is None:
+            return None
+        out = {}
+        for name, want in doc["files"].items():
+            try:
+                data = self.get(f"{rel_dir}/{name}")
+            except FileNotFoundError:
+                log.warning("%s: committed but missing; the stage will be redone", self.uri(
+                    f"{rel_dir}/{name}"))  # fmt: skip
+                return None
+            if sha256(data) != want:
+                log.warning(
+                    "%s: sha256 differs from the committed one (corrupted object); "
+                    "the stage will be redone", self.uri(f"{rel_dir}/{name}"),
+                )  # fmt: skip
+                return None
+            out[name] = data
+        return out, doc
+
+    # -------------------------------------------------------------- stages
+    @staticmethod
+    def stage_dir(step: int, stage: str) -> str:
+        return f"steps/{step}/{stage}"
+
+    def commit_stage(self, step: int, stage: str, batch: Batch | None, meta: dict[str, Any]) -> str:
+        """Write a stage's output (batch + meta), then commit it; returns its URI."""
+        d = self.stage_dir(step, stage)
+        self.remove(f"{d}/{MARKER}")  # a stage being redone is invisible until committed
+        files = {}
+        if batch is not None:
+            tensors, doc = batch.to_bytes()
+            files[TENSORS_FILE] = self.put(f"{d}/{TENSORS_FILE}", tensors)
+            files[JSON_FILE] = self.put(f"{d}/{JSON_FILE}", doc)
+        files["meta.json"] = self.put(f"{d}/meta.json", json.dumps(meta, sort_keys=True).encode())
+        fault_point(f"step-{step}/{stage}:before_commit")
+        uri = self.commit(d, files, {"step": step, "stage": stage})
+        self.set_latest(step=step, stage=stage)
+        return uri
+
+    def load_stage(self, step: int, stage: str) -> Stage | None:
+        """A committed stage, checked; None if it has to be (re)done."""
+        d = self.stage_dir(step, stage)
+        got = self.read_committed(d)
+        if got is None:
+            return None
+        objects, _ = got
+        batch = None
+        if TENSORS_FILE in objects:
+            batch = Batch.from_bytes(objects[TENSORS_FILE], objects[JSON_FILE])
+        return Stage(batch, json.loads(objects["meta.json"]), self.uri(d))
+
+    def is_committed(self, step: int, stage: str) -> bool:
+        """Marker present (objects not checked: `load_stage` does that)."""
+        return self.marker(self.stage_dir(step, stage)) is not None
+
+    # --------------------------------------------------------- checkpoints
+    @staticmethod
+    def checkpoint_dir(step: int) -> str:
+        return f"checkpoints/step_{step}"
+
+    def commit_checkpoint(self, step: int, files: dict[str, str], meta: dict[str, Any]) -> str:
+        """Commit a checkpoint whose files the workers wrote (names relative to its dir)."""
+        d = self.checkpoint_dir(step)
+        files = dict(files)
+        files["meta.json"] = self.put(f"{d}/meta.json", json.dumps(meta, sort_keys=True).encode())
+        uri = self.commit(d, files, {"step": step})
+        self.set_latest(checkpoint=step)
+        return uri
+
+    def checkpoints(self) -> list[int]:
+        """Steps with a committed checkpoint, oldest first."""
+        try:
+            names = self.fs.ls(self._p("checkpoints"), detail=False)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for n in names:
+            m = re.fullmatch(r"step_(\d+)", n.rstrip("/").rsplit("/", 1)[-1])
+            if m and self.exists(f"checkpoints/{m.group(0)}/{MARKER}"):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def checkpoint_files(self, step: int) -> tuple[dict[str, str], dict[str, Any]] | None:
+        """(files and sums, meta) of a committed checkpoint; the meta is checked here, the
+        weight files by the workers that read them."""
+        d = self.checkpoint_dir(step)
+        doc = self.marker(d)
+        if doc is None:
+            return None
+        data = self.get(f"{d}/meta.json")
+        if sha256(data) != doc["files"].get("meta.json"):
+            log.warning("%s/meta.json: sha256 differs from the committed one", self.uri(d))
+            return None
+        return doc["files"], json.loads(data)
+
+    def drop_checkpoint(self, step: int) -> None:
+        """Marker first: a half-deleted checkpoint is never mistaken for a whole one."""
+        d = self.checkpoint_dir(step)
+        self.remove(f"{d}/{MARKER}")
+        self.remove(d)
+
+    def prune_checkpoints(self, keep: int) -> list[int]:
+        """Delete all but the newest `keep` committed checkpoints (0 = keep all)."""
+        steps = self.checkpoints()
+        dropped = steps[:-keep] if keep else []
+        for s in dropped:
+            self.drop_checkpoint(s)
+        return dropped
+
+    # -------------------------------------------------------- run and latest
+    def read_run(self) -> dict[str, Any] | None:
+        return self.get_json("run.json")
+
+    def write_run(self, doc: dict[str, Any]) -> None:
+        self.put_json("run.json", doc)
+
+    def read_latest(self) -> dict[str, Any] | None:
+        return self.get_json("latest.json")
+
+    def set_latest(self, **fields: Any) -> None:
+        """latest.json: where the run stands (a hint for people and `resume`; the markers
+        are the truth)."""
+        if self._latest is None:
+            self._latest = self.read_latest() or {"step": 0, "stage": None, "checkpoint": None}
+        self._latest.update(fields, updated_at=time.time())
+        self.put_json("latest.json", self._latest)
+
+    # ----------------------------------------------------------------- final
+    def put_dir(self, local_dir: str, rel: str) -> dict[str, str]:
+        """Upload a local directory's files under `rel`; returns {file name: sha256}."""
+        files = {}
+        for name in sorted(os.listdir(local_dir)):
+            with open(os.path.join(local_dir, name), "rb") as f:
+                files[name] = self.put(f"{rel}/{name}", f.read())
+        return files

@@ -1,0 +1,111 @@
+"""Weights checkpoints, restoring a run's weights on resume, and the run's end.
+
+checkpoint(step)   the pool (or the in-process roles) write actor/critic state under
+                   checkpoints/step_<N>/; the driver commits it with the files' sha256
+restore()          make the engine hold the weights the run needs next; returns the
+                   first step to run
+finish()           final policy + summary.json under final/
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from hybrid_engine.sharding import CorruptObject
+from hybrid_engine.trainer import Engine
+from storage.final import FINAL, history, save_final
+from storage.store import RunStore, storage_options
+
+log = logging.getLogger("hybridrl.resume")
+
+
+def _roles(engine: Engine) -> dict[str, Any]:
+    """The trained roles whose state a checkpoint holds (a reward model is frozen)."""
+    roles = {"actor": engine.actor}
+    if engine.critic is not None:
+        roles["critic"] = engine.critic
+    return roles
+
+
+def _options(engine: Engine, store: RunStore) -> dict[str, Any]:
+    # pool workers may not share this process's environment: pass S3 credentials along
+    return storage_options(store.cfg, credentials=engine.pool is not None)
+
+
+@task(name="checkpoint", task_run_name="step-{step}/checkpoint", cache_policy=NONE,
+      persist_result=False)  # fmt: skip
+def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> dict[str, Any]:
+    """Save weights version N (+ optimizer, scheduler, RNG, KL coefficient), commit, prune."""
+    d = store.checkpoint_dir(step)
+    if store.marker(d) is not None:
+        return {"step": step, "uri": store.uri(d), "skipped": True}
+    if engine.actor.weights_version != step:
+        raise RuntimeError(
+            f"checkpoint of step {step}: the engine holds weights version "
+            f"{engine.actor.weights_version}"
+        )
+    files: dict[str, str] = {}
+    for name, role in _roles(engine).items():
+        saved = role.save(store.uri(f"{d}/{name}"), _options(engine, store))
+        files |= {f"{name}/{f}": sha for f, sha in saved.items()}
+    meta = {"step": step, "weights_version": step, "kl_coef": engine.kl_ctrl.value}
+    uri = store.commit_checkpoint(step, files, meta)
+    dropped = store.prune_checkpoints(keep)
+    return {"step": step, "uri": uri, "skipped": False, "pruned": dropped}
+
+
+def last_committed_update(store: RunStore) -> int:
+    """The last step whose update is committed (0 = none); latest.json is the hint."""
+    latest = store.read_latest() or {}
+    step = int(latest.get("step") or 0)
+    while step > 0 and not store.is_committed(step, "update"):
+        step -= 1
+    while store.is_committed(step + 1, "update"):  # latest.json may lag one commit
+        step += 1
+    return step
+
+
+def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
+    """Make the engine hold the weights of the last committed update U; return the first
+    step to run and what was done. A warm pool that holds U of this run is kept as is;
+    otherwise the newest readable checkpoint C <= U is loaded (the flow then replays the
+    updates C+1..U from their stored batches), or, without one, fresh weights are taken."""
+    done = last_committed_update(store)
+    version, owner = engine.actor.weights_version, engine.actor.weights_run
+    if version == done and (done == 0 or owner == store.run_id):
+        return max(done, 1), f"the engine holds weights version {done}: nothing to load"
+    for step in reversed([c for c in store.checkpoints() if c <= done]):
+        got = store.checkpoint_files(step)
+        if got is None:
+            continue
+        files, meta = got
+        try:
+            for name, role in _roles(engine).items():
+                mine = {f.split("/", 1)[1]: sha for f, sha in files.items()
+                        if f.startswith(f"{name}/")}  # fmt: skip
+                role.load(store.uri(f"{store.checkpoint_dir(step)}/{name}"),
+                          _options(engine, store), mine)  # fmt: skip
+        except CorruptObject as e:
+            log.warning("checkpoint step_%d is unusable (%s); trying an older one", step, e)
+            continue
+        engine.kl_ctrl.value = meta["kl_coef"]
+        return step + 1, (
+            f"loaded checkpoint step_{step} (the engine held version {version}); "
+            f"replaying {done - step} committed update(s) from storage"
+        )
+    if version != 0 or owner is not None:
+        engine.reset_weights()
+    return 1, f"no usable checkpoint: fresh weights, replaying {done} committed update(s)"
+
+
+@task(name="finish", task_run_name="final", cache_policy=NONE, persist_result=False)
+def finish(engine: Engine, store: RunStore) -> dict[str, Any]:
+    """The trained policy and summary.json under final/ (skipped when committed)."""
+    rows = history(store, engine.cfg.trainer.total_training_steps)
+    if store.marker(FINAL) is None:
+        save_final(store, engine.policy(), engine.tokenizer, engine.cfg, rows)
+    return {"uri": store.uri(FINAL), "steps": len(rows), "last": rows[-1] if rows else {}}

@@ -1,0 +1,232 @@
+"""The stage pipeline's definition of done: a run killed anywhere and resumed equals the
+uninterrupted run.
+
+Every run here is a real driver process (`hybridrl train` / `hybridrl resume`, the Prefect
+`train` flow against a real Prefect API) killed with SIGKILL at a named point
+(`HYBRIDRL_FAULT`, see storage/faults.py): in each of the four stages (after the stage's
+objects are written, before its commit marker) and between steps. The final weights must be
+bit-identical to the uninterrupted run's and the per-step metrics equal; a rollout committed
+before a crash is never generated again (its marker and objects stay byte-for-byte the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from conftest import S3_ENV
+from safetensors.torch import load as st_load
+
+ROOT = Path(__file__).parents[1]
+STEPS = 4
+ARGS = ["reward.function=reward_fns:length_score", f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=2", "trainer.test_freq=2", "trainer.val_before_train=true",
+        "rollout.micro_batch_size=8", "pipeline.retry_delay_s=0.2"]  # fmt: skip
+KILLS = ["step-1/rollout:before_commit", "step-2/reward:before_commit", "step-2:end",
+         "step-3/advantage:before_commit", "step-4/update:before_commit"]  # fmt: skip
+
+
+def driver(args: list[str], prefect_api: str, fault: str | None = None, extra_env=None):
+    """One `hybridrl` process in its own process group (killed with it if it crashes)."""
+    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
+           "PREFECT_API_URL": prefect_api, **(extra_env or {})}  # fmt: skip
+    env.pop("HYBRIDRL_FAULT", None)
+    if fault:
+        env["HYBRIDRL_FAULT"] = fault
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode < 0:  # a crash: nothing of it may survive
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
+
+
+def fs_for(root: str, endpoint: str | None):
+    opts = {"endpoint_url": endpoint} if root.startswith("s3://") else {}
+    return fsspec.core.url_to_fs(root, **opts)[0]
+
+
+def final_state(fs, run_url: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    weights = st_load(fs.cat_file(f"{run_url}/final/model.safetensors"))
+    summary = json.loads(fs.cat_file(f"{run_url}/final/summary.json"))
+    return weights, summary["history"]
+
+
+def comparable(history: list[dict]) -> list[dict]:
+    """Metrics that must be equal: everything but wall times and speeds."""
+    return [{k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
+            for row in history]  # fmt: skip
+
+
+def rollout_markers(fs, run_url: str) -> dict[str, bytes]:
+    out = {}
+    for step in range(1, STEPS + 1):
+        path = f"{run_url}/steps/{step}/rollout"
+        if fs.exists(f"{path}/COMMITTED"):
+            out[path] = fs.cat_file(f"{path}/COMMITTED") + fs.cat_file(f"{path}/batch.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prefect_api):
+    """The uninterrupted run (local storage, in-process roles)."""
+    root = str(tmp_path_factory.mktemp("ref"))
+    rc, out = driver(["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root={root}",
+                      "--run-id", "ref"], prefect_api)  # fmt: skip
+    assert rc == 0, out
+    assert "(from storage" not in out  # nothing to skip in a fresh run
+    return final_state(fs_for(root, None), f"{root}/ref")
+
+
+def killed_and_resumed(root: str, run_id: str, prefect_api: str, endpoint: str | None,
+                       extra: list[str], kills: list[str], env=None):  # fmt: skip
+    """Start the run, kill it at each point in turn, resuming after each kill."""
+    fs = fs_for(root, endpoint)
+    run_url = f"{root}/{run_id}"
+    where = [f"storage.root={root}"] + ([f"storage.endpoint_url={endpoint}"] if endpoint else [])
+    logs = []
+    for i, point in enumerate(kills):
+        args = (["train", "configs/grpo_tiny.yaml", *ARGS, *extra, *where, "--run-id", run_id]
+                if i == 0 else ["resume", run_id, *where])  # fmt: skip
+        before = rollout_markers(fs, run_url)
+        rc, out = driver(args, prefect_api, fault=f"{point}=kill", extra_env=env)
+        logs.append(out)
+        assert rc == -signal.SIGKILL, f"expected a kill at {point}:\n{out}"
+        after = rollout_markers(fs, run_url)
+        assert all(after[k] == v for k, v in before.items()), "a committed rollout was redone"
+    before = rollout_markers(fs, run_url)
+    rc, out = driver(["resume", run_id, *where], prefect_api, extra_env=env)
+    assert rc == 0, out
+    after = rollout_markers(fs, run_url)
+    assert all(after[k] == v for k, v in before.items()), "a committed rollout was redone"
+    assert len(after) == STEPS
+    return final_state(fs, run_url), logs + [out]
+
+
+def assert_same_run(got, reference) -> None:
+    (w, hist), (w_ref, hist_ref) = got, reference
+    assert w.keys() == w_ref.keys()
+    for k in w_ref:
+        assert torch.equal(w[k], w_ref[k]), f"{k} differs from the uninterrupted run"
+    assert comparable(hist) == comparable(hist_ref)
+    assert [r["step"] for r in hist] == list(range(STEPS + 1))
+
+
+def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefect_api,
+                                                                  reference):  # fmt: skip
+    got, logs = killed_and_resumed(str(tmp_path), "chain", prefect_api, None, [], KILLS)
+    assert_same_run(got, reference)
+    # what each resume found: killed in step 4's update, the checkpoint of step 2 is loaded and
+    # step 3's committed update replayed; step 4's first three stages come from storage
+    assert "loaded checkpoint step_2" in logs[-1] and "replaying 1 committed update" in logs[-1]
+    assert "(from storage: rollout, reward, advantage)" in logs[-1]
+
+
+def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, reference):
+    """trainer.backend=ray: the pool outlives the killed driver. Killed between steps 2 and
+    3, the next driver finds the pool holding this run's version 2 and re-attaches (nothing
+    loaded); killed in step 4's update, the pool went on to version 4 without a commit, so
+    the next driver loads checkpoint step_2 into the pool and replays step 3."""
+    from hybrid_engine import pool
+
+    env = {"HYBRIDRL_RAY_STATE": str(tmp_path / "ray")}
+    extra = ["trainer.backend=ray", "ray.pool_name=pipeline", "ray.call_timeout_s=120"]
+    try:
+        got, logs = killed_and_resumed(str(tmp_path / "runs"), "pool", prefect_api, None, extra,
+                                       ["step-2:end", "step-4/update:before_commit"], env)  # fmt: skip
+    finally:
+        head = json.loads((tmp_path / "ray" / "head.json").read_text())["temp_dir"]
+        down = subprocess.run([sys.executable, "-m", "flows.cli", "pool", "down", "--pool",
+                               "pipeline"], env={**os.environ, **env}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert "stopped 1 worker(s)" in down.stdout, down.stdout + down.stderr
+    assert not pool._head_processes(head), "the local Ray head outlived `pool down`"
+    assert "the engine holds weights version 2: nothing to load" in logs[1]
+    assert "loaded checkpoint step_2 (the engine held version 4)" in logs[2]
+    assert_same_run(got, reference)  # 1 pool rank computes exactly what the local roles do
+
+
+def test_same_on_s3(prefect_api, s3_endpoint, reference):
+    fs = fs_for("s3://", s3_endpoint)
+    bucket = f"hybridrl-test-{int(time.time() * 1000)}"
+    fs.mkdir(bucket)
+    got, _ = killed_and_resumed(f"s3://{bucket}/runs", "chain", prefect_api, s3_endpoint, [],
+                                KILLS)  # fmt: skip
+    assert_same_run(got, reference)
+    run = json.loads(fs.cat_file(f"{bucket}/runs/chain/run.json"))
+    assert "testing" not in json.dumps(run)  # credentials never reach storage
+
+
+def test_s3_outage_mid_write_commits_nothing_and_resume_recovers(tmp_path, prefect_api,
+                                                                s3_endpoint, reference):  # fmt: skip
+    """The network path to S3 is cut after step 2's rollout objects are written and before
+    its marker: the task's retries fail, the flow fails, the stage stays uncommitted; with
+    S3 back, resume finishes the run exactly."""
+    from servers import TcpProxy
+
+    direct = fs_for("s3://", s3_endpoint)
+    bucket = f"hybridrl-outage-{int(time.time() * 1000)}"
+    direct.mkdir(bucket)
+    proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    endpoint = f"http://127.0.0.1:{proxy.port}"
+    flag = tmp_path / "paused"
+    args = ["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root=s3://{bucket}/runs",
+            f"storage.endpoint_url={endpoint}", "storage.timeout_s=2", "storage.retries=1",
+            "pipeline.retries=1", "--run-id", "outage"]  # fmt: skip
+    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
+           "PREFECT_API_URL": prefect_api,
+           "HYBRIDRL_FAULT": f"step-2/rollout:before_commit=pause:{flag}"}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not flag.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    stage = f"{bucket}/runs/outage/steps/2/rollout"
+    assert direct.exists(f"{stage}/batch.safetensors")  # objects written ...
+    proxy.cut()  # ... and S3 is gone before the marker
+    flag.unlink()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "error:" in out and "Traceback" not in out
+    assert out.count("Task run 'step-2/rollout'") >= 2  # retried before failing
+    direct.invalidate_cache()
+    assert not direct.exists(f"{stage}/COMMITTED")  # the stage did not happen
+    assert direct.exists(f"{bucket}/runs/outage/steps/1/update/COMMITTED")
+
+    proxy.restore()
+    rc, out = driver(["resume", "outage", f"storage.root=s3://{bucket}/runs",
+                      f"storage.endpoint_url={endpoint}"], prefect_api)  # fmt: skip
+    assert rc == 0, out
+    proxy.cut()
+    assert_same_run(final_state(direct, f"{bucket}/runs/outage"), reference)
+
+
+def test_corrupted_stage_object_is_named_and_redone(tmp_path, prefect_api, reference):
+    """Killed in step 4: resume loads the step-2 checkpoint and replays step 3 from storage;
+    step 3's advantage batch was corrupted meanwhile, so it is recomputed (with a warning
+    naming the object) from the committed reward stage, and the result is still exact."""
+    root = str(tmp_path)
+    rc, out = driver(["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root={root}",
+                      "--run-id", "bad"], prefect_api, fault="step-4/reward:before_commit=kill")  # fmt: skip
+    assert rc == -signal.SIGKILL, out
+    obj = tmp_path / "bad/steps/3/advantage/batch.safetensors"
+    data = bytearray(obj.read_bytes())
+    data[-1] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    rc, out = driver(["resume", "bad", f"storage.root={root}"], prefect_api)
+    assert rc == 0, out
+    assert f"{obj}: sha256 differs from the committed one" in out
+    assert_same_run(final_state(fs_for(root, None), f"{root}/bad"), reference)
