@@ -68,25 +68,26 @@ def train(
     )
     validate_, checkpoint_ = validate.with_options(**opts), checkpoint.with_options(**opts)
 
-    if t.val_before_train:
-        validate_(engine, store, 0)
+    done = validate_(engine, store, 0) if t.val_before_train else None
     step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
     for step in range(start, t.total_training_steps + 1):
         began = time.perf_counter()
-        stages = [rollout_(engine, store, step), reward_(engine, store, step),
-                  advantage_(engine, store, step)]  # fmt: skip
-        done = update_(engine, store, step, sum(s["wall_s"] for s in stages))
+        rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
+        scored = reward_(engine, store, step, rolled)
+        advantaged = advantage_(engine, store, step, scored)
+        done = update_(engine, store, step, advantaged)
         step_wall_s[step] = time.perf_counter() - began
+        metrics = done.metrics
         last = step == t.total_training_steps
         if last or (t.test_freq and step % t.test_freq == 0):
-            done["metrics"] = {**done["metrics"], **validate_(engine, store, step)["metrics"]}
+            metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
         if last or (t.save_freq and step % t.save_freq == 0):
-            checkpoint_(engine, store, step, t.max_ckpt_to_keep)
+            checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
         fault_point(f"step-{step}:end")
-        logger.info(step_line(step, done["metrics"], [*stages, done]))
+        logger.info(step_line(step, metrics, [rolled, scored, advantaged, done]))
     pool = cfg.ray.pool_name if engine.pool is not None else None
-    return finish(engine, store) | {"run_id": store.run_id, "pool": pool,
-                                    "step_wall_s": step_wall_s}  # fmt: skip
+    return finish(engine, store, wait_for=[done] if done else None) | {
+        "run_id": store.run_id, "pool": pool, "step_wall_s": step_wall_s}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -172,8 +173,8 @@ def _fmt(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
     return format(m[key], spec) if key in m else "-"
 
 
-def step_line(step: int, m: dict[str, Any], results: list[dict[str, Any]]) -> str:
-    skipped = [r["stage"] for r in results if r["skipped"]]
+def step_line(step: int, m: dict[str, Any], results: list[Any]) -> str:
+    skipped = [r.stage for r in results if r.skipped]
     return (
         f"step {step:>4}  score {_fmt(m, 'critic/score/mean')}  "
         f"val_acc {_fmt(m, 'val/accuracy')}  pg_loss {_fmt(m, 'actor/pg_loss', '+.4f')}  "

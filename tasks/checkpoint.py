@@ -19,6 +19,7 @@ from hybrid_engine.sharding import CorruptObject
 from hybrid_engine.trainer import Engine
 from storage.final import FINAL, history, save_final
 from storage.store import RunStore, storage_options
+from tasks.stages import StageResult
 
 log = logging.getLogger("hybridrl.resume")
 
@@ -38,11 +39,11 @@ def _options(engine: Engine, store: RunStore) -> dict[str, Any]:
 
 @task(name="checkpoint", task_run_name="step-{step}/checkpoint", cache_policy=NONE,
       persist_result=False)  # fmt: skip
-def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> dict[str, Any]:
+def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> StageResult:
     """Save weights version N (+ optimizer, scheduler, RNG, KL coefficient), commit, prune."""
     d = store.checkpoint_dir(step)
     if store.marker(d) is not None:
-        return {"step": step, "uri": store.uri(d), "skipped": True}
+        return StageResult("checkpoint", step, store.uri(d), True, 0.0, {})
     if engine.actor.weights_version != step:
         raise RuntimeError(
             f"checkpoint of step {step}: the engine holds weights version "
@@ -54,8 +55,8 @@ def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> dict[st
         files |= {f"{name}/{f}": sha for f, sha in saved.items()}
     meta = {"step": step, "weights_version": step, "kl_coef": engine.kl_ctrl.value}
     uri = store.commit_checkpoint(step, files, meta)
-    dropped = store.prune_checkpoints(keep)
-    return {"step": step, "uri": uri, "skipped": False, "pruned": dropped}
+    store.prune_checkpoints(keep)
+    return StageResult("checkpoint", step, uri, False, 0.0, {})
 
 
 def last_committed_update(store: RunStore) -> int:

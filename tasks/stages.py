@@ -1,14 +1,15 @@
 """The four stages of a step as Prefect tasks, plus validation.
 
 Each task: if its stage is committed in storage, return at once; otherwise read its input
-from storage, call the engine (in-process roles or the Ray pool), write and commit its
-output, and return a small result — URIs and metrics, never tensors:
+(named by the upstream task's result) from storage, call the engine (in-process roles or
+the Ray pool), write and commit its output, and return a small result — the stage's URI and
+metrics, never tensors. Passing that result on is what draws the edges of Prefect's graph:
 
-    rollout(step)    -> steps/<N>/rollout     prompts + sampled responses
-    reward(step)     <- rollout               -> steps/<N>/reward     + token-level scores
-    advantage(step)  <- reward                -> steps/<N>/advantage  + log-probs, values, advantages
-    update(step)     <- advantage             -> steps/<N>/update     metrics; weights version N
-    validate(step)                            -> steps/<N>/validate   held-out metrics
+    rollout(N)                  -> steps/<N>/rollout     prompts + sampled responses
+    reward(N, rollout)          -> steps/<N>/reward      + token-level scores
+    advantage(N, reward)        -> steps/<N>/advantage   + log-probs, values, advantages
+    update(N, advantage)        -> steps/<N>/update      metrics; weights version N
+    validate(N)                 -> steps/<N>/validate    held-out metrics
 
 `update` is the one stage with an effect outside storage (the weights). A committed update
 is skipped when the engine holds version N already, and *replayed* from its stored
@@ -43,20 +44,44 @@ def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
     )
 
 
-def _result(stage: str, step: int, uri: str, meta: dict, skipped: bool) -> dict[str, Any]:
-    return {"stage": stage, "step": step, "uri": uri, "skipped": skipped,
-            "wall_s": meta.get("wall_s", 0.0), "metrics": meta.get("metrics", {})}  # fmt: skip
+class StageResult:
+    """What a stage task returns to the flow: the stage's URI, wall time and metrics.
+
+    A plain class on purpose: Prefect links a task's result to its task run by identity when
+    it is passed to another task (the edges of the run graph). It also maps the parts of a
+    dict or dataclass result by `id()`, and ids of freed parts get reused by unrelated
+    values (spurious edges, see prefect#20558); a plain object is one weak-referenced leaf."""
+
+    def __init__(self, stage: str, step: int, uri: str, skipped: bool, step_s: float,
+                 metrics: dict[str, float]) -> None:  # fmt: skip
+        self.stage, self.step, self.uri, self.skipped = stage, step, uri, skipped
+        self.step_s = step_s  # wall seconds of this step's stages up to and including this one
+        self.metrics = metrics
+
+    def __repr__(self) -> str:
+        return f"StageResult(step-{self.step}/{self.stage}, {self.uri}, skipped={self.skipped})"
 
 
-def _input(store: RunStore, step: int, stage: str) -> Any:
-    got = store.load_stage(step, stage)
+def _result(stage: str, step: int, uri: str, meta: dict, skipped: bool,
+            upstream: StageResult | None = None) -> StageResult:  # fmt: skip
+    before = upstream.step_s if upstream is not None else 0.0
+    return StageResult(stage, step, uri, skipped, before + meta.get("wall_s", 0.0),
+                       meta.get("metrics", {}))  # fmt: skip
+
+
+def _input(store: RunStore, upstream: StageResult) -> Any:
+    """The batch an upstream task committed (checked against its sums)."""
+    got = store.load_stage(upstream.step, upstream.stage)
     if got is None or got.batch is None:
-        raise StageOrderError(f"step {step}: the {stage} stage is not committed (or corrupted)")
+        raise StageOrderError(
+            f"step {upstream.step}: the {upstream.stage} stage ({upstream.uri}) is not "
+            "committed or was corrupted since; resume the run to redo it"
+        )
     return got.batch
 
 
 @stage_task
-def rollout(engine: Engine, store: RunStore, step: int) -> dict[str, Any]:
+def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
     """Prompts of step N -> `rollout.n` sampled responses each (the expensive stage)."""
     if done := store.load_stage(step, "rollout"):
         return _result("rollout", step, done.uri, done.meta, True)
@@ -68,55 +93,57 @@ def rollout(engine: Engine, store: RunStore, step: int) -> dict[str, Any]:
 
 
 @stage_task
-def reward(engine: Engine, store: RunStore, step: int) -> dict[str, Any]:
+def reward(engine: Engine, store: RunStore, step: int, rollout: StageResult) -> StageResult:
     """Responses -> token-level scores (rules, a reward model, or a user function)."""
     if done := store.load_stage(step, "reward"):
-        return _result("reward", step, done.uri, done.meta, True)
+        return _result("reward", step, done.uri, done.meta, True, rollout)
     start = time.perf_counter()
-    batch = engine.reward(_input(store, step, "rollout"))
+    batch = engine.reward(_input(store, rollout))
     meta = {"metrics": batch.meta["metrics"], "wall_s": time.perf_counter() - start}
-    return _result("reward", step, store.commit_stage(step, "reward", batch, meta), meta, False)
+    uri = store.commit_stage(step, "reward", batch, meta)
+    return _result("reward", step, uri, meta, False, rollout)
 
 
 @stage_task
-def advantage(engine: Engine, store: RunStore, step: int) -> dict[str, Any]:
+def advantage(engine: Engine, store: RunStore, step: int, reward: StageResult) -> StageResult:
     """Old/ref log-probs, values, KL penalty and the advantage estimator. The adaptive KL
     coefficient it moves is stored with it, so a skipped stage restores it."""
     if done := store.load_stage(step, "advantage"):
         engine.kl_ctrl.value = done.meta["kl_coef"]
-        return _result("advantage", step, done.uri, done.meta, True)
+        return _result("advantage", step, done.uri, done.meta, True, reward)
     start = time.perf_counter()
-    batch = engine.advantage(_input(store, step, "reward"))
+    batch = engine.advantage(_input(store, reward))
     meta = {"metrics": batch.meta["metrics"], "kl_coef": engine.kl_ctrl.value,
             "wall_s": time.perf_counter() - start}  # fmt: skip
     uri = store.commit_stage(step, "advantage", batch, meta)
-    return _result("advantage", step, uri, meta, False)
+    return _result("advantage", step, uri, meta, False, reward)
 
 
 @stage_task
-def update(engine: Engine, store: RunStore, step: int, before_s: float = 0.0) -> dict[str, Any]:
+def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -> StageResult:
     """Critic then actor update: weights version N-1 -> N. Its meta holds the whole step's
-    metrics (the earlier stages' travel in the batch); `before_s` is their wall time."""
+    metrics (the earlier stages' travel in the batch)."""
     done = store.load_stage(step, "update")
     version = engine.actor.weights_version
     if done and version == step:
-        return _result("update", step, done.uri, done.meta, True)
+        return _result("update", step, done.uri, done.meta, True, advantage)
     if version != step - 1:
         raise StageOrderError(
             f"step {step}: the update needs weights version {step - 1}, the engine holds {version}"
         )
     start = time.perf_counter()
-    result = engine.update(_input(store, step, "advantage"))
+    result = engine.update(_input(store, advantage))
     if done:  # replayed after a checkpoint load: same weights, metrics already stored
-        return _result("update", step, done.uri, {**done.meta, "replayed": True}, True)
+        return _result("update", step, done.uri, done.meta, True, advantage)
     seconds = time.perf_counter() - start
-    metrics = finish_step(result.meta["metrics"], before_s + seconds)
+    metrics = finish_step(result.meta["metrics"], advantage.step_s + seconds)
     meta = {"metrics": metrics, "weights_version": engine.actor.weights_version, "wall_s": seconds}
-    return _result("update", step, store.commit_stage(step, "update", None, meta), meta, False)
+    uri = store.commit_stage(step, "update", None, meta)
+    return _result("update", step, uri, meta, False, advantage)
 
 
 @stage_task
-def validate(engine: Engine, store: RunStore, step: int) -> dict[str, Any]:
+def validate(engine: Engine, store: RunStore, step: int) -> StageResult:
     """Held-out generation and scoring with the weights of version N (step 0 = before training)."""
     if done := store.load_stage(step, "validate"):
         return _result("validate", step, done.uri, done.meta, True)
