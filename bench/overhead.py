@@ -2,12 +2,14 @@
 engine's plain in-process loop, on the same config and seed (so every variant computes the
 same steps: step N is compared with step N).
 
-.venv/bin/python bench/overhead.py [--steps 3] [--config configs/demo_cpu.yaml]
+.venv/bin/python bench/overhead.py [--steps 3] [--repeat 2] [--config configs/demo_cpu.yaml]
                                    [--variants loop,flow-local,flow-ray] [overrides...]
 
-Each variant runs in its own process. "step" = rollout -> reward -> advantage -> update as
-the driver sees it (validation and checkpoints excluded, as in the loop). Prints a table and
-the overhead of each flow variant over the loop, per step and in median.
+Each variant runs in its own process, the variants alternating `--repeat` times (A B C A B
+C ...). "step" = rollout -> reward -> advantage -> update as the driver sees it (validation
+and checkpoints excluded, as in the loop). Per variant: median wall seconds per step, the
+engine's own generation and actor-update seconds inside it, and the rest ("other": reward,
+advantage, and for the flows Prefect task calls + storage reads/writes/commits).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
         from hybrid_engine.trainer import Engine
 
         engine = Engine(load_config(config, common))
-        ready = time.perf_counter() - began
-        walls = {s: engine.step(s)["timing_s/step"] for s in range(1, steps + 1)}
-        return {"step_s": walls, "startup_s": ready, "total_s": time.perf_counter() - began}
+        metrics = {s: engine.step(s) for s in range(1, steps + 1)}
+        walls = {s: m["timing_s/step"] for s, m in metrics.items()}
+        return {"step_s": walls, "metrics": metrics, "total_s": time.perf_counter() - began}
     from flows.train import train
 
     root = tempfile.mkdtemp(prefix="hybridrl-bench-")
@@ -49,8 +51,14 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
         from hybrid_engine.pool import down
 
         down(f"bench-{os.getpid()}")
+    from hybrid_engine.config import StorageConfig
+    from storage.final import history
+    from storage.store import RunStore
+
+    rows = history(RunStore(StorageConfig(root=root), "bench"), steps)
+    metrics = {r["step"]: r for r in rows if r["step"] > 0}
     walls = {int(k): v for k, v in result["step_wall_s"].items()}
-    return {"step_s": walls, "total_s": total}
+    return {"step_s": walls, "metrics": metrics, "total_s": total}
 
 
 def main() -> None:
@@ -58,6 +66,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--config", default="configs/demo_cpu.yaml")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -66,31 +75,39 @@ def main() -> None:
         print("RESULT " + json.dumps(out))
         return
 
-    results = {}
-    for variant in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--child", variant, "--steps", str(args.steps),
-               "--config", args.config, *args.overrides]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not line:
-            sys.exit(f"{variant} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                     f"{proc.stderr[-3000:]}")  # fmt: skip
-        results[variant] = json.loads(line[0].removeprefix("RESULT "))
-        steps = results[variant]["step_s"]
-        print(f"{variant:>10}: " + "  ".join(f"{float(v):6.2f}" for v in steps.values())
-              + f"   (process total {results[variant]['total_s']:.1f} s)", flush=True)  # fmt: skip
+    results: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+    for rep in range(args.repeat):
+        for variant in results:
+            cmd = [sys.executable, __file__, "--child", variant, "--steps", str(args.steps),
+                   "--config", args.config, *args.overrides]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not line:
+                sys.exit(f"{variant} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")  # fmt: skip
+            r = json.loads(line[0].removeprefix("RESULT "))
+            results[variant].append(r)
+            print(f"run {rep + 1} {variant:>10}: s/step "
+                  + "  ".join(f"{float(v):6.2f}" for v in r["step_s"].values())
+                  + f"   (process {r['total_s']:.1f} s)", flush=True)  # fmt: skip
 
-    base = results.get("loop")
-    print(f"\n{'variant':>10} {'median s/step':>14} {'overhead s':>11} {'overhead %':>11}")
-    for variant, r in results.items():
-        med = statistics.median(float(v) for v in r["step_s"].values())
-        if base is None or variant == "loop":
-            print(f"{variant:>10} {med:14.3f}")
-            continue
-        diffs = [float(r["step_s"][s]) - float(base["step_s"][s]) for s in base["step_s"]]
-        over = statistics.median(diffs)
-        ref = statistics.median(float(v) for v in base["step_s"].values())
-        print(f"{variant:>10} {med:14.3f} {over:11.3f} {100 * over / ref:10.1f}%")
+    def med(variant: str, key: str) -> float:
+        vals = []
+        for r in results[variant]:
+            for s, wall in r["step_s"].items():
+                m = r["metrics"][s]
+                gen, upd = m.get("timing_s/gen", 0.0), m.get("timing_s/update_actor", 0.0)
+                vals.append({"wall": wall, "gen": gen, "update": upd,
+                             "other": wall - gen - upd}[key])  # fmt: skip
+        return statistics.median(vals)
+
+    print(f"\n{'variant':>10} {'s/step':>8} {'gen s':>7} {'update s':>9} {'other s':>8} "
+          f"{'vs loop':>8}")  # fmt: skip
+    base = med("loop", "wall") if "loop" in results else None
+    for v in results:
+        rel = f"{100 * (med(v, 'wall') / base - 1):+7.1f}%" if base else ""
+        print(f"{v:>10} {med(v, 'wall'):8.2f} {med(v, 'gen'):7.2f} {med(v, 'update'):9.2f} "
+              f"{med(v, 'other'):8.3f} {rel:>8}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -50,7 +50,10 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
         if not debug:
             for handler in logging.getLogger().handlers:  # Prefect's console handler
                 handler.addFilter(_NoTraceback())
-        result = train_flow(config=config, overrides=overrides, run_id=run_id, resume=resume)
+        if resume:
+            result = train_flow(overrides=overrides, resume_from=run_id)
+        else:
+            result = train_flow(config=config, overrides=overrides, run_id=run_id)
         rows = result.get("last", {})
         console.print(f"run {result['run_id']}: {result['steps']} steps recorded")
         if "val/accuracy" in rows:

@@ -10,6 +10,7 @@
 
 Every task skips work its stage has committed, so the same flow both starts a run and
 resumes one (`resume_from=<run_id>`), wherever the previous flow run stopped.
+Parameters are plain JSON values (a deployment can pass them).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def flow_run_name() -> str:
     from prefect.runtime import flow_run
 
     p = flow_run.parameters
-    return p.get("run_id") or f"{Path(p.get('config') or 'run').stem}-new"
+    return p.get("resume_from") or p.get("run_id") or f"{Path(p.get('config') or 'run').stem}-new"
 
 
 @flow(name="train", flow_run_name=flow_run_name, log_prints=True)
@@ -50,11 +51,14 @@ def train(
     config: str | None = None,
     overrides: list[str] | None = None,
     run_id: str | None = None,
-    resume: bool = False,
+    resume_from: str | None = None,
 ) -> dict[str, Any]:
-    """Train a policy (or, with `resume=True`, continue run `run_id` where it stopped)."""
+    """Train a policy from a YAML preset + dotted overrides, as run `run_id` (default
+    `<preset>-<timestamp>`); or continue run `resume_from` where it stopped (its stored
+    config, plus the overrides a resume may change)."""
     logger = get_run_logger()
-    cfg, store = open_run(config, overrides or [], run_id, resume)
+    resume = resume_from is not None
+    cfg, store = open_run(config, overrides or [], resume_from or run_id, resume)
     t = cfg.trainer
     engine = Engine(cfg, reset_pool=not resume)
     if not resume:  # recorded once the run could start (a bad config leaves nothing behind)
@@ -174,7 +178,7 @@ def _fmt(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
 
 
 def step_line(step: int, m: dict[str, Any], results: list[Any]) -> str:
-    skipped = [r.stage for r in results if r.skipped]
+    skipped = [f"{r.stage} (replayed)" if r.replayed else r.stage for r in results if r.skipped]
     return (
         f"step {step:>4}  score {_fmt(m, 'critic/score/mean')}  "
         f"val_acc {_fmt(m, 'val/accuracy')}  pg_loss {_fmt(m, 'actor/pg_loss', '+.4f')}  "

@@ -57,6 +57,7 @@ class StageResult:
         self.stage, self.step, self.uri, self.skipped = stage, step, uri, skipped
         self.step_s = step_s  # wall seconds of this step's stages up to and including this one
         self.metrics = metrics
+        self.replayed = False  # an update applied again from storage (after a checkpoint load)
 
     def __repr__(self) -> str:
         return f"StageResult(step-{self.step}/{self.stage}, {self.uri}, skipped={self.skipped})"
@@ -134,7 +135,9 @@ def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -
     start = time.perf_counter()
     result = engine.update(_input(store, advantage))
     if done:  # replayed after a checkpoint load: same weights, metrics already stored
-        return _result("update", step, done.uri, done.meta, True, advantage)
+        replayed = _result("update", step, done.uri, done.meta, True, advantage)
+        replayed.replayed = True
+        return replayed
     seconds = time.perf_counter() - start
     metrics = finish_step(result.meta["metrics"], advantage.step_s + seconds)
     meta = {"metrics": metrics, "weights_version": engine.actor.weights_version, "wall_s": seconds}
