@@ -42,7 +42,7 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
     from flows.train import train
 
     root = tempfile.mkdtemp(prefix="hybridrl-bench-")
-    extra = [f"storage.root={root}"]
+    extra = [f"storage.root={root}", f"tracking.uri=sqlite:///{root}/mlflow.db"]
     if variant == "flow-ray":
         extra += ["trainer.backend=ray", f"ray.pool_name=bench-{os.getpid()}"]
     result = train(config=config, overrides=common + extra, run_id="bench")

@@ -28,12 +28,14 @@ from hybrid_engine.config import ConfigError, HybridConfig, config_from_dict, fl
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
 from storage.store import RunStore, new_run_id, validate_run_id
+from storage.tracking import Tracker
 from tasks.checkpoint import checkpoint, finish, restore
 from tasks.stages import advantage, reward, rollout, update, validate
 
 # What a resumed run may change: where things live and run, not what is computed.
 RESUME_MAY_CHANGE = (
-    "storage.", "ray.", "pipeline.", "trainer.total_training_steps", "trainer.num_threads",
+    "storage.", "ray.", "pipeline.", "tracking.", "trainer.total_training_steps",
+    "trainer.num_threads",
     "trainer.backend", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
 )  # fmt: skip
 
@@ -66,35 +68,76 @@ def train(
                          "code_version": code_version(), "created_at": time.time()})  # fmt: skip
     start, how = restore(engine, store)
     logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
+    track = StepLog(cfg, store)
     opts = task_options(cfg)
     rollout_, reward_, advantage_, update_ = (
         s.with_options(**opts) for s in (rollout, reward, advantage, update)
     )
     validate_, checkpoint_ = validate.with_options(**opts), checkpoint.with_options(**opts)
 
-    done = validate_(engine, store, 0) if t.val_before_train else None
-    step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
-    for step in range(start, t.total_training_steps + 1):
-        began = time.perf_counter()
-        rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
-        scored = reward_(engine, store, step, rolled)
-        advantaged = advantage_(engine, store, step, scored)
-        done = update_(engine, store, step, advantaged)
-        step_wall_s[step] = time.perf_counter() - began
-        metrics = done.metrics
-        last = step == t.total_training_steps
-        if last or (t.test_freq and step % t.test_freq == 0):
-            metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
-        if last or (t.save_freq and step % t.save_freq == 0):
-            checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
-        fault_point(f"step-{step}:end")
-        logger.info(step_line(step, metrics, [rolled, scored, advantaged, done]))
+    with track:
+        done = validate_(engine, store, 0) if t.val_before_train else None
+        if done:
+            track.step(0, done.metrics)
+        step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
+        for step in range(start, t.total_training_steps + 1):
+            began = time.perf_counter()
+            rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
+            scored = reward_(engine, store, step, rolled)
+            advantaged = advantage_(engine, store, step, scored)
+            done = update_(engine, store, step, advantaged)
+            step_wall_s[step] = time.perf_counter() - began
+            metrics = done.metrics
+            last = step == t.total_training_steps
+            if last or (t.test_freq and step % t.test_freq == 0):
+                metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
+            track.step(step, metrics)
+            if last or (t.save_freq and step % t.save_freq == 0):
+                saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
+                track.tags({"hybridrl.checkpoint": saved.uri})
+            fault_point(f"step-{step}:end")
+            logger.info(step_line(step, metrics, [rolled, scored, advantaged, done]))
+        result = finish(engine, store, wait_for=[done] if done else None)
+        track.tags({"hybridrl.final": result["uri"]})
     pool = cfg.ray.pool_name if engine.pool is not None else None
-    return finish(engine, store, wait_for=[done] if done else None) | {
-        "run_id": store.run_id, "pool": pool, "step_wall_s": step_wall_s}  # fmt: skip
+    return result | {"run_id": store.run_id, "pool": pool, "step_wall_s": step_wall_s,
+                     "mlflow_run_id": track.run_id}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- helpers
+class StepLog:
+    """MLflow for the flow (`tracking.enabled`): each step's metrics exactly once, the run
+    marked FINISHED at the end and FAILED when the flow raises (a killed driver leaves it
+    RUNNING until the resume finishes it)."""
+
+    def __init__(self, cfg: HybridConfig, store: RunStore) -> None:
+        from prefect.runtime import flow_run
+
+        self.tracker = None
+        self.run_id: str | None = None
+        self.logged: set[int] = set()
+        if cfg.tracking.enabled:
+            self.tracker = Tracker.open(cfg, store, flow_run.id, code_version())
+            self.run_id = self.tracker.run_id
+            self.logged = self.tracker.logged_steps()
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.tracker is not None and step not in self.logged:
+            self.tracker.log_step(step, metrics)
+            self.logged.add(step)
+
+    def tags(self, tags: dict[str, str]) -> None:
+        if self.tracker is not None:
+            self.tracker.set_tags(tags)
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, kind: type | None, *_: Any) -> None:
+        if self.tracker is not None:
+            self.tracker.finish("FINISHED" if kind is None else "FAILED")
+
+
 def open_run(
     config: str | None, overrides: list[str], run_id: str | None, resume: bool
 ) -> tuple[HybridConfig, RunStore]:

@@ -257,6 +257,17 @@ class StorageConfig(Section):
         return data
 
 
+class TrackingConfig(Section):
+    """MLflow: one MLflow run per training run (a resumed run continues the same one)."""
+
+    enabled: bool = True
+    uri: str | None = Field(
+        None, description="tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db "
+        "in the working directory",
+    )  # fmt: skip
+    experiment: str = Field("hybridrl", min_length=1, description="MLflow experiment name")
+
+
 class PipelineConfig(Section):
     """The Prefect stage pipeline: retries of a stage task on a transient failure."""
 
@@ -323,6 +334,7 @@ class HybridConfig(BaseSettings):
     ray: RayConfig = Field(default_factory=RayConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @classmethod
     def settings_customise_sources(

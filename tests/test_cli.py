@@ -19,6 +19,7 @@ def run(*args, cwd):
 def test_train_saves_final_policy_and_summary(tmp_path):
     root = Path(__file__).parents[1]
     p = run("train", str(root / "configs/grpo_tiny.yaml"), f"storage.root={tmp_path}",
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             "trainer.run_id=t1", "reward.function=reward_fns:length_score", cwd=root)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     assert "run t1: 2 steps recorded" in p.stdout

@@ -30,7 +30,8 @@ ROOT = Path(__file__).parents[1]
 STEPS = 4
 ARGS = ["reward.function=reward_fns:length_score", f"trainer.total_training_steps={STEPS}",
         "trainer.save_freq=2", "trainer.test_freq=2", "trainer.val_before_train=true",
-        "rollout.micro_batch_size=8", "pipeline.retry_delay_s=0.2"]  # fmt: skip
+        "rollout.micro_batch_size=8", "pipeline.retry_delay_s=0.2",
+        "tracking.enabled=false"]  # fmt: skip
 KILLS = ["step-1/rollout:before_commit", "step-2/reward:before_commit", "step-2:end",
          "step-3/advantage:before_commit", "step-4/update:before_commit"]  # fmt: skip
 
@@ -138,9 +139,22 @@ def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefe
     the corruption (a warning names the object), recomputes that stage from the committed
     reward stage, and still ends exactly like the uninterrupted run."""
     bad = f"{tmp_path}/chain/steps/3/advantage/batch.safetensors"
-    got, logs = killed_and_resumed(str(tmp_path), "chain", prefect_api, None, [], KILLS,
+    mlflow_db = f"sqlite:///{tmp_path}/mlflow.db"
+    tracking = ["tracking.enabled=true", f"tracking.uri={mlflow_db}"]
+    got, logs = killed_and_resumed(str(tmp_path), "chain", prefect_api, None, tracking, KILLS,
                                    before_last=lambda fs, _: corrupt(fs, bad))  # fmt: skip
     assert_same_run(got, reference)
+    # MLflow: the six driver processes wrote one MLflow run, each step's metrics once
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_db)
+    (run,) = client.search_runs([client.get_experiment_by_name("hybridrl").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "chain"
+    steps = lambda key: [m.step for m in client.get_metric_history(run.info.run_id, key)]  # noqa: E731
+    assert sorted(steps("critic/score/mean")) == [1, 2, 3, 4]
+    assert sorted(steps("val/accuracy")) == [0, 2, 4]
+    logged = {r["step"]: r for r in got[1]}
+    assert run.data.metrics["actor/pg_loss"] == logged[STEPS]["actor/pg_loss"]
     # what the last resume found: killed in step 4's update, the checkpoint of step 2 is
     # loaded and step 3's update replayed; step 4's first three stages come from storage
     assert "loaded checkpoint step_2" in logs[-1] and "replaying 1 committed update" in logs[-1]

@@ -215,7 +215,7 @@ def test_cli_trains_on_the_pool_then_status_and_down(tmp_path):
                               capture_output=True, text=True, timeout=300)  # fmt: skip
 
     p = cli("train", "configs/grpo_tiny.yaml", SIGNAL, "trainer.backend=ray", "ray.pool_name=cli",
-            "actor.layout.dp=2", f"storage.root={tmp_path}", "trainer.run_id=r1")  # fmt: skip
+            "actor.layout.dp=2", f"storage.root={tmp_path}", "trainer.run_id=r1", "tracking.enabled=false")  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     assert "worker pool 'cli' stays up" in p.stdout
     weights = load_file(tmp_path / "r1" / "final" / "model.safetensors")

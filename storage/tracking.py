@@ -1,0 +1,126 @@
+"""MLflow tracking: one MLflow run per training run.
+
+    tracker = Tracker.open(cfg, store, flow_run_id)   # creates the run, or continues it
+    tracker.log_step(step, metrics)                    # once per step, never twice
+    tracker.finish("FINISHED")
+
+The MLflow run id is kept in the run's `run.json`, so `hybridrl resume` continues the same
+MLflow run. Which steps MLflow already holds is read back from MLflow itself (the history of
+one metric every step logs), so a step is logged exactly once even if the driver died between
+committing a step and logging it. Params are the flattened config (it holds no secrets: those
+come from the environment); tags name the run id, storage, Prefect flow run, code version and
+pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import yaml
+
+from hybrid_engine.config import HybridConfig, flatten
+from storage.store import RunStore
+
+log = logging.getLogger("hybridrl.tracking")
+
+STEP_KEY = "timing_s/step"  # logged by every training step: its history says what is logged
+VAL_KEY = "val/accuracy"  # logged by every validation (step 0 has no training metrics)
+
+
+def tracking_uri(cfg: HybridConfig) -> str:
+    """`tracking.uri`, else $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+class Tracker:
+    """The MLflow run of one training run."""
+
+    def __init__(self, client: Any, run_id: str, uri: str) -> None:
+        self.client, self.run_id, self.uri = client, run_id, uri
+
+    @classmethod
+    def open(
+        cls, cfg: HybridConfig, store: RunStore, flow_run_id: str | None, code_version: str
+    ) -> Tracker:
+        from mlflow.tracking import MlflowClient
+
+        uri = tracking_uri(cfg)
+        client = MlflowClient(uri)
+        run_doc = store.read_run() or {}
+        run_id = run_doc.get("mlflow_run_id")
+        if run_id is not None:
+            try:
+                client.get_run(run_id)
+                client.update_run(run_id, status="RUNNING")
+            except Exception as e:  # another tracking server, or the run was deleted
+                log.warning("MLflow run %s of %s not found at %s (%s): starting a new one",
+                            run_id, store.run_id, uri, type(e).__name__)  # fmt: skip
+                run_id = None
+        if run_id is None:
+            run_id = cls._create(client, cfg, uri, store)
+            store.write_run({**run_doc, "mlflow_run_id": run_id, "mlflow_tracking_uri": uri})
+        tags = {"hybridrl.code_version": code_version}
+        if flow_run_id:
+            tags["prefect.flow_run_id"] = flow_run_id
+        if cfg.trainer.backend == "ray":
+            tags["hybridrl.pool_name"] = cfg.ray.pool_name
+        tracker = cls(client, run_id, uri)
+        tracker.set_tags(tags)
+        return tracker
+
+    @staticmethod
+    def _create(client: Any, cfg: HybridConfig, uri: str, store: RunStore) -> str:
+        from mlflow.entities import Param
+
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is None:
+            location = None
+            if uri.startswith("sqlite:///"):  # artifacts beside the database, not in the cwd
+                db = uri.removeprefix("sqlite:///")
+                location = "file://" + os.path.join(os.path.dirname(os.path.abspath(db)),
+                                                    "mlartifacts")  # fmt: skip
+            exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=location)
+        else:
+            exp_id = exp.experiment_id
+        run = client.create_run(exp_id, run_name=store.run_id, tags={
+            "hybridrl.run_id": store.run_id, "hybridrl.storage_uri": store.url,
+        })  # fmt: skip
+        run_id = run.info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(cfg).items())]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            client.log_batch(run_id, params=params[i : i + 100])
+        client.log_text(run_id, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
+                        "config.yaml")  # fmt: skip
+        return run_id
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def logged_steps(self) -> set[int]:
+        """Steps whose metrics MLflow already holds."""
+        steps = set()
+        for key in (STEP_KEY, VAL_KEY):
+            steps |= {m.step for m in self.client.get_metric_history(self.run_id, key)}
+        return steps
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        """All of a step's metrics in one batch (MLflow takes up to 1000 per call)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())
+                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+                and k != "step"]  # fmt: skip
+        for i in range(0, len(rows), 1000):
+            self.client.log_batch(self.run_id, metrics=rows[i : i + 1000])
+
+    def finish(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
