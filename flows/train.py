@@ -113,6 +113,7 @@ class StepLog:
     def __init__(self, cfg: HybridConfig, store: RunStore) -> None:
         from prefect.runtime import flow_run
 
+        self.store = store
         self.tracker = None
         self.run_id: str | None = None
         self.logged: set[int] = set()
@@ -122,9 +123,13 @@ class StepLog:
             self.logged = self.tracker.logged_steps()
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
-        if self.tracker is not None and step not in self.logged:
-            self.tracker.log_step(step, metrics)
-            self.logged.add(step)
+        """A step's metrics (and its validation's generations), unless MLflow has them."""
+        if self.tracker is None or step in self.logged:
+            return
+        if "val/accuracy" in metrics and (val := self.store.load_stage(step, "validate")):
+            self.tracker.log_samples(step, val.meta.get("samples", []))
+        self.tracker.log_step(step, metrics)
+        self.logged.add(step)
 
     def tags(self, tags: dict[str, str]) -> None:
         if self.tracker is not None:

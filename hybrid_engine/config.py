@@ -266,6 +266,9 @@ class TrackingConfig(Section):
         "in the working directory",
     )  # fmt: skip
     experiment: str = Field("hybridrl", min_length=1, description="MLflow experiment name")
+    val_samples: int = Field(
+        8, ge=0, description="validation generations logged as a table (prompt, response, score)"
+    )
 
 
 class PipelineConfig(Section):

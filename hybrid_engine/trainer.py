@@ -256,6 +256,10 @@ class Engine:
         with timer(metrics, "update_actor"):
             metrics |= self.actor.update_actor(batch)
         metrics["weights_version"] = self.actor.weights_version
+        if self.pool is not None:  # each worker's memory, as `hybridrl pool status` shows it
+            for w in self.pool.status():
+                metrics[f"perf/{w['name']}/rss_gb"] = w["rss_gb"]
+                metrics[f"perf/{w['name']}/peak_rss_gb"] = w["peak_rss_gb"]
         metrics |= batch_stats(batch, self.cfg.rollout.max_new_tokens)
         metrics = {**batch.meta.get("metrics", {}), **metrics}
         return Batch(meta={"step": batch.meta.get("step"), "metrics": metrics})
@@ -278,8 +282,9 @@ class Engine:
         return finish_step(result.meta["metrics"], time.perf_counter() - start)
 
     @torch.no_grad()
-    def validate(self) -> dict[str, Any]:
-        """Greedy (by default) generation on the held-out rows; accuracy = share scored 1."""
+    def validate(self, samples: int = 0) -> dict[str, Any]:
+        """Greedy (by default) generation on the held-out rows; accuracy = share scored 1.
+        With `samples`, `_samples` holds the first ones: {prompt, response, score}."""
         rows = self.data.val
         if not rows:
             return {}
@@ -293,12 +298,20 @@ class Engine:
             prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length), sampling
         )
         scores = self._score(batch, "response_ids", "response_mask")
-        return {
+        out: dict[str, Any] = {
             "val/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
             "val/score/mean": sum(scores) / len(scores),
             "val/response_length/mean": float(batch["response_mask"].sum(-1).float().mean()),
             "timing_s/val": time.perf_counter() - start,
         }
+        if samples:
+            ids, mask = batch["response_ids"], batch["response_mask"]
+            out["_samples"] = [
+                {"prompt": row["prompt"][-1]["content"], "score": score,
+                 "response": self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True)}
+                for i, (row, score) in enumerate(zip(rows[:samples], scores, strict=False))
+            ]  # fmt: skip
+        return out
 
 
 def finish_step(metrics: dict[str, float], seconds: float) -> dict[str, float]:

@@ -122,5 +122,11 @@ class Tracker:
         for i in range(0, len(rows), 1000):
             self.client.log_batch(self.run_id, metrics=rows[i : i + 1000])
 
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """A validation's generations as an MLflow table (one JSON artifact per step)."""
+        if samples:
+            table = {k: [s[k] for s in samples] for k in ("prompt", "response", "score")}
+            self.client.log_table(self.run_id, table, f"generations/step_{step:06d}.json")
+
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -155,7 +155,8 @@ def validate(engine: Engine, store: RunStore, step: int) -> StageResult:
             f"validation of step {step} needs weights version {step}, the engine holds "
             f"{engine.actor.weights_version}"
         )
-    metrics = engine.validate()
-    meta = {"metrics": metrics, "peak_rss_gb": peak_rss_gb()}
+    metrics = engine.validate(engine.cfg.tracking.val_samples)
+    samples = metrics.pop("_samples", [])
+    meta = {"metrics": metrics, "samples": samples, "peak_rss_gb": peak_rss_gb()}
     uri = store.commit_stage(step, "validate", None, meta)
     return _result("validate", step, uri, meta, False)

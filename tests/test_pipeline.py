@@ -155,6 +155,8 @@ def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefe
     assert sorted(steps("val/accuracy")) == [0, 2, 4]
     logged = {r["step"]: r for r in got[1]}
     assert run.data.metrics["actor/pg_loss"] == logged[STEPS]["actor/pg_loss"]
+    tables = [a.path for a in client.list_artifacts(run.info.run_id, "generations")]
+    assert tables == [f"generations/step_{s:06d}.json" for s in (0, 2, 4)]
     # what the last resume found: killed in step 4's update, the checkpoint of step 2 is
     # loaded and step 3's update replayed; step 4's first three stages come from storage
     assert "loaded checkpoint step_2" in logs[-1] and "replaying 1 committed update" in logs[-1]
@@ -184,6 +186,7 @@ def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, refer
     assert "the engine holds weights version 2: nothing to load" in logs[1]
     assert "loaded checkpoint step_2 (the engine held version 4)" in logs[2]
     assert_same_run(got, reference)  # 1 pool rank computes exactly what the local roles do
+    assert got[1][-1]["perf/actor-0/peak_rss_gb"] > 0  # the worker's memory, per step
 
 
 def test_same_on_s3(prefect_api, s3_endpoint, reference):

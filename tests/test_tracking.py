@@ -1,7 +1,9 @@
 """MLflow tracking on a real sqlite store: one MLflow run per training run, continued (not
 duplicated) by a resume, each step's metrics logged once, params and tags as promised."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -21,7 +23,7 @@ def setup(tmp_path):
     return cfg, store, MlflowClient(uri)
 
 
-def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup):
+def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup, tmp_path):
     cfg, store, client = setup
     first = Tracker.open(cfg, store, "flow-1", "0.1.0+abc")
     assert first.logged_steps() == set()
@@ -33,6 +35,7 @@ def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup):
     assert again.run_id == first.run_id == store.read_run()["mlflow_run_id"]
     assert again.logged_steps() == {0, 1}
     again.log_step(2, {"timing_s/step": 1.4})
+    again.log_samples(2, [{"prompt": "1+1?", "response": "2", "score": 1.0}])
     again.finish("FINISHED")
 
     runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
@@ -46,4 +49,9 @@ def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup):
     assert tags["hybridrl.storage_uri"] == store.url and tags["hybridrl.code_version"]
     assert run.data.params["actor.optim.lr"] == "0.001"
     assert run.data.params["tracking.experiment"] == "t"
-    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml",
+                                                                        "generations"]  # fmt: skip
+    path = client.download_artifacts(run.info.run_id, "generations/step_000002.json", tmp_path)
+    table = json.loads(Path(path).read_text())
+    assert table["columns"] == ["prompt", "response", "score"]
+    assert table["data"] == [["1+1?", "2", 1.0]]
