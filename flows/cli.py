@@ -2,6 +2,7 @@
 
     hybridrl train CONFIG [key.path=value ...]   a run as the Prefect `train` flow
     hybridrl resume RUN_ID [storage.root=...]    continue a run where it stopped
+    hybridrl runs list|show RUN|compare A B      runs as MLflow tracked them
     hybridrl pool status [--pool NAME]           the persistent workers: version, role, RSS
     hybridrl pool down [--pool NAME]             stop them (and the local Ray head if idle)
 
@@ -148,6 +149,91 @@ def pool_down(pool: PoolName = "default") -> None:
         return
     killed = down(pool)
     console.print(f"pool {pool!r}: stopped {len(killed)} worker(s) {killed}")
+
+
+runs_app = typer.Typer(help="Training runs as MLflow tracked them.")
+app.add_typer(runs_app, name="runs")
+TrackingUri = Annotated[
+    str | None,
+    typer.Option("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"),
+]
+Experiment = Annotated[str, typer.Option("--experiment", help="MLflow experiment")]
+
+
+def _runs_error(e: Exception) -> None:
+    console.print(f"[red]error:[/] {e}", soft_wrap=True)
+    raise typer.Exit(1) from None
+
+
+@runs_app.command("list")
+def runs_list(tracking_uri: TrackingUri = None, experiment: Experiment = "hybridrl") -> None:
+    """Every run: id, status, steps, last score and validation accuracy, start time."""
+    import datetime
+
+    from rich.table import Table
+
+    from storage.tracking import list_runs
+
+    runs = list_runs(tracking_uri, experiment)
+    if not runs:
+        console.print(f"no runs in MLflow experiment {experiment!r}")
+        return
+    table = Table(title=f"experiment {experiment!r}")
+    for col in ("run", "status", "steps", "score", "val/accuracy", "started", "mlflow run id"):
+        table.add_column(col)
+    for r in runs:
+        m = r.data.metrics
+        started = datetime.datetime.fromtimestamp(r.info.start_time / 1000)
+        table.add_row(
+            r.data.tags.get("hybridrl.run_id", r.info.run_name), r.info.status,
+            r.data.params.get("trainer.total_training_steps", "-"),
+            f"{m['critic/score/mean']:.3f}" if "critic/score/mean" in m else "-",
+            f"{m['val/accuracy']:.3f}" if "val/accuracy" in m else "-",
+            started.strftime("%Y-%m-%d %H:%M"), r.info.run_id,
+        )  # fmt: skip
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, tracking_uri: TrackingUri = None,
+              experiment: Experiment = "hybridrl") -> None:  # fmt: skip
+    """One run: tags (storage, checkpoint, Prefect flow run) and its last metrics."""
+    from storage.tracking import find_run
+
+    try:
+        run = find_run(tracking_uri, run_id, experiment)
+    except LookupError as e:
+        _runs_error(e)
+    console.print(f"[bold]{run_id}[/]  {run.info.status}  mlflow run {run.info.run_id}")
+    for k, v in sorted(run.data.tags.items()):
+        if k.startswith(("hybridrl.", "prefect.")):
+            console.print(f"  {k:<24} {v}")
+    for k, v in sorted(run.data.metrics.items()):
+        console.print(f"  {k:<40} {v:.4g}")
+
+
+@runs_app.command("compare")
+def runs_compare(run_a: str, run_b: str, tracking_uri: TrackingUri = None,
+                 experiment: Experiment = "hybridrl") -> None:  # fmt: skip
+    """Two runs side by side: the config keys that differ, then their last metrics."""
+    from rich.table import Table
+
+    from storage.tracking import compare, find_run, ui_hint
+
+    try:
+        a, b = (find_run(tracking_uri, r, experiment) for r in (run_a, run_b))
+    except LookupError as e:
+        _runs_error(e)
+    params, metrics = compare(a, b)
+    for title, rows in (("config differences", params), ("last metrics", metrics)):
+        table = Table(title=title)
+        for col in ("key", run_a, run_b):
+            table.add_column(col)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    hint = ui_hint(tracking_uri, [a.info.run_id, b.info.run_id], a.info.experiment_id)
+    console.print(f"MLflow UI: {hint}", soft_wrap=True)
 
 
 @app.command()

@@ -130,3 +130,53 @@ class Tracker:
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+# ------------------------------------------------------------------- reading runs back
+def client_for(uri: str | None) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri or tracking_uri(HybridConfig()))
+
+
+def list_runs(uri: str | None, experiment: str = "hybridrl") -> list[Any]:
+    """The experiment's MLflow runs, newest first (empty if there is no such experiment)."""
+    client = client_for(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return list(client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"]))
+
+
+def find_run(uri: str | None, run_id: str, experiment: str = "hybridrl") -> Any:
+    """The MLflow run of hybridrl run `run_id` (or of an MLflow run id)."""
+    for run in list_runs(uri, experiment):
+        if run.data.tags.get("hybridrl.run_id") == run_id or run.info.run_id == run_id:
+            return run
+    raise LookupError(f"no run {run_id!r} in MLflow experiment {experiment!r} at "
+                      f"{uri or tracking_uri(HybridConfig())}")  # fmt: skip
+
+
+def compare(a: Any, b: Any) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
+    """(config keys whose values differ, final metrics of both): rows (key, a, b)."""
+    pa, pb = a.data.params, b.data.params
+    params = [(k, pa.get(k, "-"), pb.get(k, "-")) for k in sorted(pa.keys() | pb.keys())
+              if pa.get(k) != pb.get(k) and k != "trainer.run_id"]  # fmt: skip
+    ma, mb = a.data.metrics, b.data.metrics
+    shown = [k for k in sorted(ma.keys() | mb.keys()) if not k.startswith(("perf/", "timing_s/"))
+             or k in ("timing_s/step", "perf/peak_rss_gb")]  # fmt: skip
+    metrics = [(k, _fmt(ma.get(k)), _fmt(mb.get(k))) for k in shown]
+    return params, metrics
+
+
+def ui_hint(uri: str | None, run_ids: list[str], experiment_id: str) -> str:
+    """Where to look at runs in the MLflow UI."""
+    uri = uri or tracking_uri(HybridConfig())
+    if uri.startswith("http"):
+        ids = ",".join(f'"{r}"' for r in run_ids)
+        return f'{uri.rstrip("/")}/#/compare-runs?runs=[{ids}]&experiments=["{experiment_id}"]'
+    return f"mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)"
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"

@@ -55,3 +55,31 @@ def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup, tmp_pat
     table = json.loads(Path(path).read_text())
     assert table["columns"] == ["prompt", "response", "score"]
     assert table["data"] == [["1+1?", "2", 1.0]]
+
+
+def test_runs_list_show_compare(tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    for run_id, lr, score in (("run-a", "1e-3", 0.25), ("run-b", "1e-4", 0.5)):
+        cfg = load_config("configs/grpo_tiny.yaml", [f"storage.root={tmp_path}/runs",
+                                                     f"tracking.uri={uri}", f"actor.optim.lr={lr}"])  # fmt: skip
+        store = RunStore(cfg.storage, run_id)
+        store.write_run({"run_id": run_id})
+        tracker = Tracker.open(cfg, store, None, "0.1.0")
+        tracker.log_step(1, {"critic/score/mean": score, "timing_s/step": 1.0})
+        tracker.finish("FINISHED")
+    cli = CliRunner()
+    out = cli.invoke(app, ["runs", "list", "--tracking-uri", uri], terminal_width=200)
+    assert out.exit_code == 0 and "run-a" in out.output and "run-b" in out.output
+    out = cli.invoke(app, ["runs", "compare", "run-a", "run-b", "--tracking-uri", uri],
+                     terminal_width=200)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert any("actor.optim.lr" in ln and "0.001" in ln and "0.0001" in ln for ln in lines)
+    assert any("critic/score/mean" in ln and "0.25" in ln and "0.5" in ln for ln in lines)
+    assert f"mlflow ui --backend-store-uri {uri}" in out.output
+    out = cli.invoke(app, ["runs", "show", "nope", "--tracking-uri", uri])
+    assert out.exit_code == 1 and "no run 'nope'" in out.output
