@@ -27,6 +27,7 @@ from prefect import flow, get_run_logger
 from hybrid_engine.config import ConfigError, HybridConfig, config_from_dict, flatten, load_config
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
+from storage.final import history
 from storage.store import RunStore, new_run_id, validate_run_id
 from storage.tracking import Tracker
 from tasks.checkpoint import checkpoint, finish, restore
@@ -91,7 +92,7 @@ def train(
             last = step == t.total_training_steps
             if last or (t.test_freq and step % t.test_freq == 0):
                 metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
-            track.step(step, metrics)
+            track.step(step, metrics, [rolled, scored, advantaged, done])
             if last or (t.save_freq and step % t.save_freq == 0):
                 saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
                 track.tags({"hybridrl.checkpoint": saved.uri})
@@ -122,12 +123,20 @@ class StepLog:
             self.run_id = self.tracker.run_id
             self.logged = self.tracker.logged_steps()
 
-    def step(self, step: int, metrics: dict[str, Any]) -> None:
-        """A step's metrics (and its validation's generations), unless MLflow has them."""
+    def step(self, step: int, metrics: dict[str, Any], stages: list[Any] = ()) -> None:
+        """A step's metrics, its stage timeline, and at a validation the generations and
+        curves so far -- unless MLflow has this step already."""
         if self.tracker is None or step in self.logged:
             return
+        if stages:  # wall seconds per stage, from the cumulative `step_s` of each result
+            ends = [s.step_s for s in stages]
+            starts = [0.0, *ends[:-1]]
+            walls = [(s.stage, e - b) for s, e, b in zip(stages, ends, starts, strict=True)]
+            self.tracker.log_timeline(step, walls, metrics)
         if "val/accuracy" in metrics and (val := self.store.load_stage(step, "validate")):
             self.tracker.log_samples(step, val.meta.get("samples", []))
+            rows = history(self.store, step)
+            self.tracker.log_curves(rows)
         self.tracker.log_step(step, metrics)
         self.logged.add(step)
 

@@ -128,8 +128,85 @@ class Tracker:
             table = {k: [s[k] for s in samples] for k in ("prompt", "response", "score")}
             self.client.log_table(self.run_id, table, f"generations/step_{step:06d}.json")
 
+    def log_timeline(self, step: int, walls: list[tuple[str, float]], metrics: dict) -> None:
+        """The step's stage timeline as a PNG: where its seconds went."""
+        fig = timeline_figure(step, walls, metrics)
+        self.client.log_figure(self.run_id, fig, f"timeline/step_{step:06d}.png")
+        _close(fig)
+
+    def log_curves(self, rows: list[dict[str, Any]]) -> None:
+        """Score and validation accuracy by step, redrawn as the run goes (`curves.png`)."""
+        fig = curves_figure(rows)
+        self.client.log_figure(self.run_id, fig, "curves.png")
+        _close(fig)
+
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+# ------------------------------------------------------------------------------ figures
+# the engine's sub-timings (`timing_s/<name>`) inside each stage, in the order they run
+SUB_TIMINGS = {
+    "rollout": ["reshard", "gen", "gen_baseline"],
+    "reward": ["reward"],
+    "advantage": ["old_log_prob", "ref", "values", "adv"],
+    "update": ["update_critic", "update_actor"],
+}
+
+
+def timeline_figure(step: int, walls: list[tuple[str, float]], metrics: dict) -> Any:
+    """A Gantt chart: one row per stage (its wall time, storage and Prefect included), the
+    engine's own timings as thinner bars inside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    start = 0.0
+    for row, (stage, wall) in enumerate(walls):
+        ax.barh(row, wall, left=start, height=0.7, color="#c8d6e5", edgecolor="#576574")
+        ax.text(start + wall, row, f" {wall:.2f} s", va="center", fontsize=8)
+        sub_start = start
+        for name in SUB_TIMINGS.get(stage, []):
+            sec = metrics.get(f"timing_s/{name}")
+            if sec:
+                ax.barh(row, sec, left=sub_start, height=0.35, color="#ee5253")
+                if sec > 0.08 * max(w for _, w in walls):
+                    ax.text(sub_start + sec / 2, row, name, ha="center", va="center",
+                            fontsize=7, color="white")  # fmt: skip
+                sub_start += sec
+        start += wall
+    ax.set_yticks(range(len(walls)), [s for s, _ in walls])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the step started")
+    ax.set_title(f"step {step}: stages (wall) and engine timings (red)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def curves_figure(rows: list[dict[str, Any]]) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for key, style in (("critic/score/mean", "-"), ("val/accuracy", "o-")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=key, markersize=4)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _close(fig: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------- reading runs back

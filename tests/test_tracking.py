@@ -36,6 +36,18 @@ def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup, tmp_pat
     assert again.logged_steps() == {0, 1}
     again.log_step(2, {"timing_s/step": 1.4})
     again.log_samples(2, [{"prompt": "1+1?", "response": "2", "score": 1.0}])
+    again.log_timeline(
+        2,
+        [("rollout", 1.0), ("reward", 0.1), ("advantage", 0.2), ("update", 2.0)],
+        {"timing_s/gen": 0.9, "timing_s/update_actor": 1.8},
+    )
+    again.log_curves(
+        [
+            {"step": 0, "val/accuracy": 0.2},
+            {"step": 1, "critic/score/mean": 0.5},
+            {"step": 2, "critic/score/mean": 0.6, "val/accuracy": 0.3},
+        ]
+    )
     again.finish("FINISHED")
 
     runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
@@ -49,8 +61,11 @@ def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup, tmp_pat
     assert tags["hybridrl.storage_uri"] == store.url and tags["hybridrl.code_version"]
     assert run.data.params["actor.optim.lr"] == "0.001"
     assert run.data.params["tracking.experiment"] == "t"
-    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml",
-                                                                        "generations"]  # fmt: skip
+    paths = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert paths == ["config.yaml", "curves.png", "generations", "timeline"]
+    for png in ("curves.png", "timeline/step_000002.png"):
+        local = client.download_artifacts(run.info.run_id, png, tmp_path)
+        assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     path = client.download_artifacts(run.info.run_id, "generations/step_000002.json", tmp_path)
     table = json.loads(Path(path).read_text())
     assert table["columns"] == ["prompt", "response", "score"]
