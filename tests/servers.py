@@ -61,6 +61,22 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def start_mlflow(home: Path) -> tuple[subprocess.Popen, str]:
+    """`mlflow server` on sqlite, artifacts proxied into `home` (MACHINE-FACTS settings)."""
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           "MLFLOW_DISABLE_TELEMETRY": "true"}  # fmt: skip
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination",
+         str(home / "artifacts"), "--workers", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health", 120, proc)
+    return proc, url
+
+
 def stop(proc: subprocess.Popen) -> None:
     """The server and anything it started (its own process group)."""
     with contextlib.suppress(ProcessLookupError):

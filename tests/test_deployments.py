@@ -1,0 +1,67 @@
+"""The scheduled-training journey, for real: `deployments/prefect.yaml` deployed to a real
+Prefect server, a process work pool and worker, `prefect deployment run ... --watch` of a
+2-step tiny training, and the run found in a real MLflow server through its REST API."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
+    from servers import start_mlflow, stop
+
+    mlflow_proc, mlflow_url = start_mlflow(tmp_path)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "HYBRIDRL_HOME": str(ROOT),
+           "PYTHONPATH": str(ROOT / "tests")}  # fmt: skip
+    env.pop("HYBRIDRL_FAULT", None)
+
+    def prefect(*args, timeout=300):
+        p = subprocess.run([str(BIN / "prefect"), *args], cwd=ROOT, env=env, text=True,
+                           capture_output=True, timeout=timeout)  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    worker = None
+    try:
+        prefect("work-pool", "create", "hybridrl", "--type", "process")
+        prefect("--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all")
+        listed = prefect("deployment", "ls")
+        assert "train/grpo-tiny-nightly" in listed and "train/demo-cpu-weekly" in listed
+        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "hybridrl",
+                                   "--type", "process"], cwd=tmp_path, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)  # fmt: skip
+        overrides = ["trainer.total_training_steps=2", f"storage.root={tmp_path}/runs",
+                     f"tracking.uri={mlflow_url}", "reward.function=reward_fns:length_score"]  # fmt: skip
+        out = prefect("deployment", "run", "train/grpo-tiny-nightly", "--param",
+                      f"overrides={json.dumps(overrides)}", "--param", "run_id=scheduled-1",
+                      "--watch", timeout=600)  # fmt: skip
+        assert "Completed" in out, out
+        assert (tmp_path / "runs/scheduled-1/final/COMMITTED").is_file()
+
+        req = urllib.request.Request(
+            f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=hybridrl"
+        )
+        exp_id = json.loads(urllib.request.urlopen(req).read())["experiment"]["experiment_id"]
+        body = json.dumps({"experiment_ids": [exp_id],
+                           "filter": "tags.`hybridrl.run_id` = 'scheduled-1'"}).encode()  # fmt: skip
+        req = urllib.request.Request(f"{mlflow_url}/api/2.0/mlflow/runs/search", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        (run,) = json.loads(urllib.request.urlopen(req).read())["runs"]
+        assert run["info"]["status"] == "FINISHED"
+        metrics = {m["key"]: m for m in run["data"]["metrics"]}
+        assert metrics["critic/score/mean"]["step"] == 2 and "actor/pg_loss" in metrics
+        tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+        assert tags["prefect.flow_run_id"] and tags["hybridrl.final"].endswith("final")
+    finally:
+        if worker is not None:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(30)
+        stop(mlflow_proc)
