@@ -115,6 +115,7 @@ class StepLog:
         from prefect.runtime import flow_run
 
         self.store = store
+        self.rows: list[dict[str, Any]] | None = None  # per-step metrics for the curves
         self.tracker = None
         self.run_id: str | None = None
         self.logged: set[int] = set()
@@ -126,7 +127,11 @@ class StepLog:
     def step(self, step: int, metrics: dict[str, Any], stages: list[Any] = ()) -> None:
         """A step's metrics, its stage timeline, and at a validation the generations and
         curves so far -- unless MLflow has this step already."""
-        if self.tracker is None or step in self.logged:
+        if self.tracker is None:
+            return
+        if self.rows is not None and self.rows[-1]["step"] < step:
+            self.rows.append({"step": step, **metrics})
+        if step in self.logged:
             return
         if stages:  # wall seconds per stage, from the cumulative `step_s` of each result
             ends = [s.step_s for s in stages]
@@ -135,8 +140,9 @@ class StepLog:
             self.tracker.log_timeline(step, walls, metrics)
         if "val/accuracy" in metrics and (val := self.store.load_stage(step, "validate")):
             self.tracker.log_samples(step, val.meta.get("samples", []))
-            rows = history(self.store, step)
-            self.tracker.log_curves(rows)
+            if self.rows is None:  # read from storage once, then kept up as steps go
+                self.rows = history(self.store, step)
+            self.tracker.log_curves(self.rows)
         self.tracker.log_step(step, metrics)
         self.logged.add(step)
 

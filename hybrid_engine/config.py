@@ -544,13 +544,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-    token = _YAML_DATA.set(data)
-    try:
-        return HybridConfig(**parse_overrides(overrides or []))
-    except ValidationError as e:
-        raise ConfigError(f"invalid config: {_describe(e)}") from None
-    finally:
-        _YAML_DATA.reset(token)
+    return config_from_dict(data, overrides)
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> HybridConfig:
