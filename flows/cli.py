@@ -5,6 +5,7 @@
     hybridrl runs list|show RUN|compare A B      runs as MLflow tracked them
     hybridrl pool status [--pool NAME]           the persistent workers: version, role, RSS
     hybridrl pool down [--pool NAME]             stop them (and the local Ray head if idle)
+    hybridrl deploy [NAME ...]                   deployments/prefect.yaml to $PREFECT_API_URL
 
 `train` prints the run id and one line per step, and leaves the final policy in
 `<storage.root>/<run_id>/final/`; on failure it exits 1 with one line naming the problem
@@ -19,7 +20,21 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, help="hybridrl: RL post-training for language models.")
+app = typer.Typer(
+    add_completion=False,
+    rich_markup_mode="markdown",
+    help="hybridrl: RL post-training for language models, run as a resumable Prefect pipeline "
+    "(rollout → reward → advantage → update per step, each stage committed to storage).",
+    epilog="""Examples (from the repository root):
+
+* `hybridrl train configs/grpo_tiny.yaml trainer.total_training_steps=4` — a run in a minute
+* `hybridrl train configs/demo_cpu.yaml` — the CPU demo (SmolLM2-135M, arithmetic)
+* `hybridrl resume RUN_ID` — continue a run that stopped, where it stopped
+* `hybridrl runs compare RUN_A RUN_B` — config differences, last metrics, MLflow UI link
+* `hybridrl deploy` — scheduled training on the Prefect server at $PREFECT_API_URL
+
+`hybridrl COMMAND --help` explains each command.""",
+)
 console = Console()
 
 Overrides = Annotated[
@@ -51,10 +66,16 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
         if not debug:
             for handler in logging.getLogger().handlers:  # Prefect's console handler
                 handler.addFilter(_NoTraceback())
-        if resume:
-            result = train_flow(overrides=overrides, resume_from=run_id)
+        kwargs = {"overrides": overrides}
+        kwargs |= {"resume_from": run_id} if resume else {"config": config, "run_id": run_id}
+        if console.is_terminal and not debug:  # live steps/stage lines under the log
+            from flows.display import LiveDisplay
+            from tasks.progress import listening
+
+            with LiveDisplay(console) as display, listening(display):
+                result = train_flow(**kwargs)
         else:
-            result = train_flow(config=config, overrides=overrides, run_id=run_id)
+            result = train_flow(**kwargs)
         rows = result.get("last", {})
         console.print(f"run {result['run_id']}: {result['steps']} steps recorded")
         if "val/accuracy" in rows:
@@ -81,7 +102,11 @@ def train(
     run_id: Annotated[str | None, typer.Option(help="default: <preset>-<timestamp>")] = None,
     debug: Debug = False,
 ) -> None:
-    """Train a policy with RL: the Prefect `train` flow, each stage checkpointed."""
+    """Train a policy with RL: the Prefect `train` flow, each stage checkpointed.
+
+    CONFIG is a YAML preset (configs/); overrides are dotted `key.path=value` pairs (README:
+    Configuration lists every key). Prints the run id, live progress and a line per step;
+    the final policy lands in `<storage.root>/<run_id>/final/`."""
     _run_flow(config, overrides or [], run_id, False, debug)
 
 
@@ -94,7 +119,12 @@ def resume(
     ] = None,
     debug: Debug = False,
 ) -> None:
-    """Continue a run where it stopped: committed stages are skipped, nothing regenerated."""
+    """Continue a run where it stopped: committed stages are skipped, nothing regenerated.
+
+    The run's stored config is used; overrides may change only where things live and run
+    (`storage.*`, `ray.*`, `pipeline.*`, `tracking.*`, threads, backend, save/test
+    frequency) or train longer (`trainer.total_training_steps`). Give `storage.root=...`
+    when the run is not under ./runs."""
     _run_flow(None, overrides or [], run_id, True, debug)
 
 
@@ -234,6 +264,46 @@ def runs_compare(run_a: str, run_b: str, tracking_uri: TrackingUri = None,
         console.print(table)
     hint = ui_hint(tracking_uri, [a.info.run_id, b.info.run_id], a.info.experiment_id)
     console.print(f"MLflow UI: {hint}", soft_wrap=True)
+
+
+@app.command()
+def deploy(
+    names: Annotated[
+        list[str] | None, typer.Argument(help="deployments to make (default: all in the file)")
+    ] = None,
+    prefect_file: Annotated[
+        str | None, typer.Option(help="default: deployments/prefect.yaml of this checkout")
+    ] = None,
+) -> None:
+    """Deploy the scheduled trainings of deployments/prefect.yaml to the Prefect server.
+
+    The server is the one $PREFECT_API_URL names (`prefect server start --host 127.0.0.1`).
+    Each deployment's config is checked first; the process work pool it names is created if
+    missing; then `prefect deploy` runs with HYBRIDRL_HOME set to this checkout, where the
+    worker will run the flow. Prints how to start a worker and a run."""
+    from pathlib import Path
+
+    from flows.deploy import DEFAULT_FILE, DeployError
+    from flows.deploy import deploy as make
+
+    try:
+        got = make(names or [], Path(prefect_file) if prefect_file else DEFAULT_FILE)
+    except DeployError as e:
+        _runs_error(e)
+    for pool in got["pools_created"]:
+        console.print(f"work pool {pool!r} created (type process)")
+    for d in got["deployments"]:
+        when = ", ".join(f"cron {c}" for c in d["schedules"]) or "no schedule"
+        console.print(f"deployed [bold]{d['name']}[/] on pool {d['pool']!r}: {when}")
+    pool = got["deployments"][0]["pool"]
+    console.print(
+        f"flow runs execute in {got['home']}. Next:\n"
+        f"  prefect worker start --pool {pool} --type process   # runs the schedules\n"
+        f"  prefect deployment run '{got['deployments'][0]['name']}' "
+        f"--param 'overrides=[\"trainer.total_training_steps=2\"]' --watch",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 @app.command()

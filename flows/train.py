@@ -31,6 +31,7 @@ from storage.final import history
 from storage.store import RunStore, new_run_id, validate_run_id
 from storage.tracking import Tracker
 from tasks.checkpoint import checkpoint, finish, restore
+from tasks.progress import emit
 from tasks.stages import advantage, reward, rollout, update, validate
 
 # What a resumed run may change: where things live and run, not what is computed.
@@ -69,6 +70,7 @@ def train(
                          "code_version": code_version(), "created_at": time.time()})  # fmt: skip
     start, how = restore(engine, store)
     logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
+    emit("run_started", run_id=store.run_id, start=start, total=t.total_training_steps)
     track = StepLog(cfg, store)
     opts = task_options(cfg)
     rollout_, reward_, advantage_, update_ = (
@@ -97,7 +99,9 @@ def train(
                 saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
                 track.tags({"hybridrl.checkpoint": saved.uri})
             fault_point(f"step-{step}:end")
-            logger.info(step_line(step, metrics, [rolled, scored, advantaged, done]))
+            line = step_line(step, metrics, [rolled, scored, advantaged, done])
+            logger.info(line)
+            emit("step_finished", step=step, metrics=metrics, line=line)
         result = finish(engine, store, wait_for=[done] if done else None)
         track.tags({"hybridrl.final": result["uri"]})
     pool = cfg.ray.pool_name if engine.pool is not None else None

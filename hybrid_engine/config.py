@@ -15,8 +15,10 @@ names the key and the value.
 from __future__ import annotations
 
 import contextvars
+import json
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
@@ -38,10 +40,10 @@ class Section(BaseModel):
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
 
@@ -49,12 +51,14 @@ class OptimConfig(Section):
 class TinyModelConfig(Section):
     """Shape of the tiny random Llama used by tests (`model.path: tiny`)."""
 
-    hidden_size: int = Field(64, gt=0)
-    intermediate_size: int = Field(128, gt=0)
-    num_hidden_layers: int = Field(2, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_key_value_heads: int = Field(2, gt=0)
-    max_position_embeddings: int = Field(1024, gt=0)
+    hidden_size: int = Field(64, gt=0, description="width of the tiny model")
+    intermediate_size: int = Field(128, gt=0, description="MLP width of the tiny model")
+    num_hidden_layers: int = Field(2, gt=0, description="layers of the tiny model")
+    num_attention_heads: int = Field(4, gt=0, description="attention heads of the tiny model")
+    num_key_value_heads: int = Field(2, gt=0, description="key/value heads of the tiny model (GQA)")
+    max_position_embeddings: int = Field(
+        1024, gt=0, description="longest sequence of the tiny model"
+    )
 
 
 class DataConfig(Section):
@@ -68,16 +72,20 @@ class DataConfig(Section):
     task_config: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments of the reasoning-gym generator"
     )
-    train_size: int = Field(2000, gt=0)
-    val_size: int = Field(64, ge=0)
-    train_seed: int = 1000
+    train_size: int = Field(2000, gt=0, description="prompts generated for training (one epoch)")
+    val_size: int = Field(64, ge=0, description="held-out prompts for validation")
+    train_seed: int = Field(1000, description="generator seed of the training prompts")
     val_seed: int = Field(
         900_000, description="generator seed of the validation split (keep it far from train)"
     )
-    system_prompt: str | None = None
-    prompt_suffix: str = ""
+    system_prompt: str | None = Field(
+        None, description="system message put before every prompt (chat template)"
+    )
+    prompt_suffix: str = Field("", description="text appended to every prompt")
     train_batch_size: int = Field(8, gt=0, description="prompts per step")
-    max_prompt_length: int = Field(256, gt=0)
+    max_prompt_length: int = Field(
+        256, gt=0, description="longest prompt in tokens; a longer one is an error naming its row"
+    )
 
 
 class ModelConfig(Section):
@@ -86,7 +94,9 @@ class ModelConfig(Section):
         description="a local HF directory, `smollm2-135m-instruct` (packaged), or `tiny`",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="parameter dtype (CPU: float32)"
+    )
 
 
 class RolloutLayout(Section):
@@ -116,16 +126,24 @@ class ActorConfig(Section):
     layout: ActorLayout = Field(default_factory=ActorLayout)
     ppo_mini_batch_size: int = Field(32, gt=0, description="samples per optimizer step")
     ppo_micro_batch_size: int = Field(8, gt=0, description="samples per forward/backward")
-    ppo_epochs: int = Field(1, gt=0)
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1)
-    loss_agg_mode: LossAggMode = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.001, ge=0)
-    kl_loss_type: KLKind = "low_var_kl"
-    log_prob_micro_batch_size: int = Field(16, gt=0)
+    ppo_epochs: int = Field(1, gt=0, description="passes over a step's samples")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio ≥ 1 - this")
+    clip_ratio_high: float = Field(
+        0.2, ge=0, description="PPO clip: ratio ≤ 1 + this (DAPO clip-higher: raise it)"
+    )
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description="how token losses average into one (token-mean = DAPO)"
+    )
+    entropy_coeff: float = Field(0.0, description="entropy bonus weight in the policy loss")
+    use_kl_loss: bool = Field(
+        False, description="KL to the reference policy as a loss term (GRPO style)"
+    )
+    kl_loss_coef: float = Field(0.001, ge=0, description="weight of that KL loss")
+    kl_loss_type: KLKind = Field("low_var_kl", description="KL estimator of that loss")
+    log_prob_micro_batch_size: int = Field(
+        16, gt=0, description="samples per forward when computing old log-probs"
+    )
 
 
 class ValSamplingConfig(Section):
@@ -134,28 +152,34 @@ class ValSamplingConfig(Section):
 
 
 class RolloutConfig(Section):
-    name: Literal["hf", "vllm"] = "hf"
+    name: Literal["hf", "vllm"] = Field(
+        "hf", description="rollout backend: transformers' generate, or vLLM (GPU, [vllm] extra)"
+    )
     n: int = Field(4, gt=0, description="samples per prompt")
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 = off")
     top_k: int = Field(0, ge=0, description="0 = off")
-    max_new_tokens: int = Field(32, gt=0)
+    max_new_tokens: int = Field(32, gt=0, description="longest response in tokens")
     micro_batch_size: int = Field(64, gt=0, description="sequences per generate call")
     val: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
 
 
 class RefConfig(Section):
-    log_prob_micro_batch_size: int = Field(16, gt=0)
+    log_prob_micro_batch_size: int = Field(
+        16, gt=0, description="samples per forward of the reference policy"
+    )
 
 
 class CriticConfig(Section):
     model_path: str | None = Field(None, description="None = initialise from the policy")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = Field(32, gt=0)
-    ppo_micro_batch_size: int = Field(8, gt=0)
-    ppo_epochs: int = Field(1, gt=0)
-    cliprange_value: float = Field(0.5, gt=0)
-    loss_agg_mode: LossAggMode = "token-mean"
+    ppo_mini_batch_size: int = Field(32, gt=0, description="samples per critic optimizer step")
+    ppo_micro_batch_size: int = Field(8, gt=0, description="samples per critic forward/backward")
+    ppo_epochs: int = Field(1, gt=0, description="critic passes over a step's samples")
+    cliprange_value: float = Field(0.5, gt=0, description="value clip around the old values")
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description="how token value losses average into one"
+    )
 
 
 class RewardConfig(Section):
@@ -173,37 +197,55 @@ class RewardConfig(Section):
         description="DAPO soft overlong punishment: responses longer than "
         "rollout.max_new_tokens - this lose up to overlong_penalty_factor; 0 = off",
     )
-    overlong_penalty_factor: float = Field(1.0, ge=0)
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="largest overlong penalty (at rollout.max_new_tokens)"
+    )
     model_path: str | None = Field(
         None,
         description="a sequence-classification reward model (local HF dir, or `tiny` for a "
         "random one in tests); its score replaces the rule/function score; None = off",
     )
-    model_micro_batch_size: int = Field(16, gt=0)
+    model_micro_batch_size: int = Field(16, gt=0, description="samples per reward-model forward")
 
 
 class KLControlConfig(Section):
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = Field(0.001, ge=0)
-    target_kl: float = Field(0.1, gt=0)
-    horizon: int = Field(10000, gt=0)
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed coefficient, or adaptive towards target_kl"
+    )
+    kl_coef: float = Field(0.001, ge=0, description="(initial) KL-in-reward coefficient")
+    target_kl: float = Field(
+        0.1, gt=0, description="adaptive: the KL the coefficient steers towards"
+    )
+    horizon: int = Field(
+        10000, gt=0, description="adaptive: samples over which the coefficient adapts"
+    )
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"] = "grpo"
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: KLKind = "kl"
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"] = Field(
+        "grpo", description="registered advantage estimator (gae = PPO with a critic)"
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    norm_adv_by_std_in_grpo: bool = Field(
+        True, description="divide GRPO advantages by the group's std (false: the Dr. GRPO variant)"
+    )
+    use_kl_in_reward: bool = Field(
+        False, description="subtract a KL penalty to the reference from the token rewards"
+    )
+    kl_penalty: KLKind = Field("kl", description="KL estimator of that penalty")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
 
 
 class TrainerConfig(Section):
-    total_training_steps: int = Field(2, gt=0)
-    seed: int = 1
+    total_training_steps: int = Field(
+        2, gt=0, description="steps of the run (rollout → reward → advantage → update each)"
+    )
+    seed: int = Field(
+        1, description="seed of weights and sampling: same seed on CPU = same weights"
+    )
     test_freq: int = Field(0, ge=0, description="validate every N steps; 0 = only at the end")
-    val_before_train: bool = True
+    val_before_train: bool = Field(True, description="validate the initial policy (step 0)")
     save_freq: int = Field(
         0,
         ge=0,
@@ -260,7 +302,7 @@ class StorageConfig(Section):
 class TrackingConfig(Section):
     """MLflow: one MLflow run per training run (a resumed run continues the same one)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="log the run to MLflow")
     uri: str | None = Field(
         None, description="tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db "
         "in the working directory",
@@ -293,13 +335,17 @@ class RayConfig(Section):
     head_num_cpus: int = Field(
         16, gt=0, description="logical CPUs of a locally started head (a scheduling label)"
     )
-    num_cpus_per_rank: float = Field(1.0, gt=0)
-    num_gpus_per_rank: float = Field(0.0, ge=0)
+    num_cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker")
+    num_gpus_per_rank: float = Field(
+        0.0, ge=0, description="Ray GPUs per worker; > 0 puts the models on CUDA"
+    )
     critic: Literal["colocated", "separate"] = Field(
         "colocated", description="critic in the actor ranks' processes, or its own group"
     )
     critic_dp: int = Field(1, ge=1, description="ranks of a separate critic group")
-    reward_model: Literal["colocated", "separate"] = "colocated"
+    reward_model: Literal["colocated", "separate"] = Field(
+        "colocated", description="reward model in the actor ranks' processes, or its own group"
+    )
     reward_model_dp: int = Field(1, ge=1, description="ranks of a separate reward-model group")
     call_timeout_s: float = Field(
         3600, gt=0, description="longest wait for one stage call (also the collective timeout)"
@@ -568,3 +614,57 @@ def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+# ----------------------------------------------------------------------------- reference
+def _type_name(annotation: Any) -> str:
+    """`int`, `float | None`, `"hf" \\| "vllm"` for the reference table."""
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if args and get_origin(annotation) in (UnionType, Union):
+        return " \\| ".join(_type_name(a) for a in args)
+    if annotation is type(None):
+        return "None"
+    if get_origin(annotation) in (dict, tuple):
+        return str(annotation).replace("typing.", "")
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(metadata: list[Any]) -> str:
+    signs = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤"}
+    out = [f"{s} {getattr(m, k)}" for m in metadata for k, s in signs.items() if hasattr(m, k)]
+    return f" ({', '.join(out)})" if out else ""
+
+
+def config_reference() -> str:
+    """Every key of the config as markdown tables (key, default, type, meaning), one per
+    section, from the model itself (README's configuration reference is this text)."""
+    lines: list[str] = []
+
+    def walk(model: BaseModel, prefix: str) -> None:
+        leaves = []
+        for name, field in type(model).model_fields.items():
+            value = getattr(model, name)
+            if isinstance(value, BaseModel):
+                continue
+            default = "`None`" if value is None else f"`{json.dumps(value)}`"
+            kind = _type_name(field.annotation) + _bounds(field.metadata)
+            leaves.append(f"| `{prefix}{name}` | {default} | {kind} | {field.description or ''} |")
+        if leaves:
+            lines.extend(["", f"**{prefix.rstrip('.')}**", ""])
+            doc = type(model).__doc__
+            if doc and type(model) is not Section:
+                lines.extend([" ".join(doc.split()), ""])
+            lines.extend(["| key | default | type | meaning |", "| --- | --- | --- | --- |"])
+            lines.extend(leaves)
+        for name in type(model).model_fields:
+            value = getattr(model, name)
+            if isinstance(value, BaseModel):
+                walk(value, f"{prefix}{name}.")
+
+    defaults = {name: f.get_default(call_default_factory=True)
+                for name, f in HybridConfig.model_fields.items()}  # fmt: skip
+    for name, section in defaults.items():
+        walk(section, f"{name}.")
+    return "\n".join(lines).strip() + "\n"

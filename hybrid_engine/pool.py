@@ -259,6 +259,10 @@ class Worker:
         return self.spec
 
     @ray.method(concurrency_group="status")
+    def rollout_progress(self, role: str) -> dict | None:  # answers while `generate` runs
+        return self.roles[role].rollout_progress() if role in self.roles else None
+
+    @ray.method(concurrency_group="status")
     def info(self) -> dict:
         mem = psutil.Process().memory_info().rss
         out = {
@@ -366,6 +370,18 @@ class RoleProxy:
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         return self.group.call_split(self.role, "compute_log_prob", _inputs(batch))
+
+    def rollout_progress(self) -> dict[str, float] | None:
+        """The generate call running now, over all ranks (None when none runs)."""
+        refs = [h.rollout_progress.remote(self.role) for h in self.group.handles]
+        try:
+            parts = [p for p in ray.get(refs, timeout=5.0) if p]
+        except (RayActorError, GetTimeoutError):
+            return None
+        if not parts:
+            return None
+        return {"tokens": sum(p["tokens"] for p in parts),
+                "seconds": max(p["seconds"] for p in parts)}  # fmt: skip
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         return self.group.call_split(self.role, "compute_ref_log_prob", _inputs(batch))

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from hybrid_engine.batch import Batch
 
@@ -58,6 +58,19 @@ def with_responses(
     return batch.union(Batch(fields))
 
 
+class _CountTokens(StoppingCriteria):
+    """Never stops generation; counts the response tokens sampled so far (a row's tokens up
+    to and including its EOS), for live progress (`HFRollout.progress`)."""
+
+    def __init__(self, rollout: HFRollout, prompt_len: int) -> None:
+        self.rollout, self.prompt_len = rollout, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_) -> torch.BoolTensor:
+        before = input_ids[:, self.prompt_len : -1]  # this row is still open if no EOS here
+        self.rollout.tokens_so_far += int((before != self.rollout.eos_token_id).all(1).sum())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 class HFRollout:
     """Batched sampling with `model.generate` (left padding, n samples already repeated)."""
 
@@ -68,6 +81,14 @@ class HFRollout:
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.micro_batch_size = micro_batch_size
+        self.tokens_so_far, self.started = 0, None  # live progress of the current generate
+
+    def progress(self) -> dict[str, float] | None:
+        """Response tokens sampled so far in the generate call running now, and its seconds."""
+        started, tokens = self.started, self.tokens_so_far  # another thread may be generating
+        if started is None:
+            return None
+        return {"tokens": tokens, "seconds": time.perf_counter() - started}
 
     @torch.no_grad()
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
@@ -78,26 +99,33 @@ class HFRollout:
         # on how the batch was split across replicas (`row_offset` = this part's first row).
         offset = int(batch.meta.get("row_offset", 0))
         start = time.perf_counter()
-        chunks = []
-        device = self.model.device
-        for i, part in enumerate(batch.split(self.micro_batch_size)):
-            torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
-            prompt_ids = part["prompt_ids"].to(device)
-            out = self.model.generate(
-                input_ids=prompt_ids,
-                attention_mask=part["prompt_mask"].to(device),
-                max_new_tokens=sampling.max_new_tokens,
-                do_sample=not sampling.greedy,
-                temperature=sampling.temperature if not sampling.greedy else None,
-                top_p=sampling.top_p if not sampling.greedy else None,
-                top_k=sampling.top_k if not sampling.greedy else None,
-                pad_token_id=pad,
-                eos_token_id=eos,
-                use_cache=True,
-            )
-            chunks.append(out[:, prompt_ids.shape[1] :].cpu())
+        self.tokens_so_far, self.started = 0, start
+        try:
+            chunks = []
+            device = self.model.device
+            for i, part in enumerate(batch.split(self.micro_batch_size)):
+                torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
+                prompt_ids = part["prompt_ids"].to(device)
+                out = self.model.generate(
+                    input_ids=prompt_ids,
+                    attention_mask=part["prompt_mask"].to(device),
+                    max_new_tokens=sampling.max_new_tokens,
+                    do_sample=not sampling.greedy,
+                    temperature=sampling.temperature if not sampling.greedy else None,
+                    top_p=sampling.top_p if not sampling.greedy else None,
+                    top_k=sampling.top_k if not sampling.greedy else None,
+                    pad_token_id=pad,
+                    eos_token_id=eos,
+                    use_cache=True,
+                    stopping_criteria=StoppingCriteriaList(
+                        [_CountTokens(self, len(prompt_ids[0]))]
+                    ),
+                )
+                chunks.append(out[:, prompt_ids.shape[1] :].cpu())
+        finally:
+            self.started = None
+            self.model.train(was_training)
         seconds = time.perf_counter() - start
-        self.model.train(was_training)
 
         length = max(c.shape[1] for c in chunks)
         response_ids = torch.cat([pad_right(c, length, pad) for c in chunks])

@@ -119,6 +119,10 @@ class Engine:
             and not self.cfg.algorithm.use_kl_in_reward
         )
 
+    def rollout_progress(self) -> dict[str, float] | None:
+        """While `rollout` runs (hf backend): response tokens sampled so far and seconds."""
+        return self.actor.rollout_progress()
+
     # -------------------------------------------------------------- 1. rollout
     def rollout(self, step: int) -> Batch:
         r = self.cfg.rollout

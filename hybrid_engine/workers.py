@@ -264,6 +264,10 @@ class ActorRolloutRef:
         """The policy's full weights on rank 0 ({} elsewhere); all ranks must call it."""
         return full_state_dict(self.policy)
 
+    def rollout_progress(self) -> dict[str, float] | None:
+        """The generate call running now: response tokens so far and seconds (hf only)."""
+        return self.rollout.progress() if isinstance(self.rollout, HFRollout) else None
+
     def info(self) -> dict:
         rw = self.rollout_weights
         return {

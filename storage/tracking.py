@@ -249,10 +249,11 @@ def compare(a: Any, b: Any) -> tuple[list[tuple[str, str, str]], list[tuple[str,
 def ui_hint(uri: str | None, run_ids: list[str], experiment_id: str) -> str:
     """Where to look at runs in the MLflow UI."""
     uri = uri or tracking_uri(HybridConfig())
+    ids = ",".join(f'"{r}"' for r in run_ids)
+    page = f'#/compare-runs?runs=[{ids}]&experiments=["{experiment_id}"]'
     if uri.startswith("http"):
-        ids = ",".join(f'"{r}"' for r in run_ids)
-        return f'{uri.rstrip("/")}/#/compare-runs?runs=[{ids}]&experiments=["{experiment_id}"]'
-    return f"mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)"
+        return f"{uri.rstrip('/')}/{page}"
+    return f"`mlflow ui --backend-store-uri {uri} --port 5000`, then http://127.0.0.1:5000/{page}"
 
 
 def _fmt(v: float | None) -> str:

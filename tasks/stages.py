@@ -19,6 +19,8 @@ regenerates nothing and recomputes the same weights.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from typing import Any
 
@@ -27,6 +29,7 @@ from prefect.cache_policies import NONE
 
 from hybrid_engine.trainer import Engine, finish_step, peak_rss_gb
 from storage.store import RunStore
+from tasks.progress import emit
 
 
 class StageOrderError(RuntimeError):
@@ -34,9 +37,24 @@ class StageOrderError(RuntimeError):
 
 
 def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
-    """A stage task: named `step-<N>/<stage>`, no Prefect caching (storage decides)."""
+    """A stage task: named `step-<N>/<stage>`, no Prefect caching (storage decides), its
+    start and end announced to progress listeners (`tasks.progress`)."""
+
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)  # Prefect reads the parameters through __wrapped__
+    def announced(*args: Any, **kwargs: Any) -> StageResult:
+        a = signature.bind(*args, **kwargs).arguments
+        emit("stage_started", step=a["step"], stage=fn.__name__, engine=a["engine"])
+        result = fn(*args, **kwargs)
+        upstream = [v for v in a.values() if isinstance(v, StageResult)]
+        own_s = result.step_s - (upstream[0].step_s if upstream else 0.0)
+        emit("stage_finished", step=a["step"], stage=fn.__name__, seconds=own_s,
+             skipped=result.skipped)  # fmt: skip
+        return result
+
     return task(
-        fn,
+        announced,
         name=fn.__name__,
         task_run_name="step-{step}/" + fn.__name__,
         cache_policy=NONE,
@@ -155,8 +173,10 @@ def validate(engine: Engine, store: RunStore, step: int) -> StageResult:
             f"validation of step {step} needs weights version {step}, the engine holds "
             f"{engine.actor.weights_version}"
         )
+    start = time.perf_counter()
     metrics = engine.validate(engine.cfg.tracking.val_samples)
     samples = metrics.pop("_samples", [])
-    meta = {"metrics": metrics, "samples": samples, "peak_rss_gb": peak_rss_gb()}
+    meta = {"metrics": metrics, "samples": samples, "peak_rss_gb": peak_rss_gb(),
+            "wall_s": time.perf_counter() - start}  # fmt: skip
     uri = store.commit_stage(step, "validate", None, meta)
     return _result("validate", step, uri, meta, False)

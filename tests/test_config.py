@@ -108,3 +108,19 @@ def test_parse_overrides_and_flatten():
     assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
     flat = flatten(load_config(None, ["actor.optim.lr=1e-6"]))
     assert flat["actor.optim.lr"] == 1e-6 and "trainer.seed" in flat
+
+
+def test_readme_holds_the_generated_reference_with_a_meaning_for_every_key():
+    import importlib.util
+
+    from hybrid_engine.config import HybridConfig, config_reference, flatten
+
+    spec = importlib.util.spec_from_file_location("ref", "scripts/config_reference.py")
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    readme = ref.README.read_text()
+    assert ref.updated(readme) == readme, "run .venv/bin/python scripts/config_reference.py"
+    rows = [r.split(" | ") for r in config_reference().splitlines() if r.startswith("| `")]
+    keys = {r[0].strip("| `") for r in rows}
+    assert keys == set(flatten(HybridConfig())), "every key, once"
+    assert all(r[3].strip(" |") for r in rows), [r[0] for r in rows if not r[3].strip(" |")]

@@ -14,6 +14,26 @@ ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
 
 
+def hybridrl(*args, env):
+    return subprocess.run([str(BIN / "hybridrl"), *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=300)  # fmt: skip
+
+
+def test_deploy_refuses_what_cannot_work(tmp_path, prefect_api):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    p = hybridrl("deploy", env={**env, "PREFECT_HOME": str(tmp_path)})
+    assert p.returncode == 1 and "PREFECT_API_URL is not set" in p.stdout, p.stdout + p.stderr
+    bad = tmp_path / "prefect.yaml"
+    doc = (ROOT / "deployments/prefect.yaml").read_text()
+    bad.write_text(doc.replace('["trainer.total_training_steps=2"]', '["trainer.total_steps=2"]'))
+    p = hybridrl("deploy", "--prefect-file", str(bad), env={**env, "PREFECT_API_URL": prefect_api})
+    assert p.returncode == 1 and "Traceback" not in p.stdout + p.stderr
+    assert (
+        "deployment 'grpo-tiny-nightly': invalid config: unknown key 'trainer.total_steps'"
+        in p.stdout
+    )
+
+
 def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
     from servers import start_mlflow, stop
 
@@ -30,8 +50,10 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
 
     worker = None
     try:
-        prefect("work-pool", "create", "hybridrl", "--type", "process")
-        prefect("--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all")
+        made = hybridrl("deploy", env=env)  # pool created, configs checked, prefect deploy
+        assert made.returncode == 0, made.stdout + made.stderr
+        assert "work pool 'hybridrl' created" in made.stdout
+        assert "deployed train/grpo-tiny-nightly on pool 'hybridrl': cron 0 3 * * *" in made.stdout
         listed = prefect("deployment", "ls")
         assert "train/grpo-tiny-nightly" in listed and "train/demo-cpu-weekly" in listed
         worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "hybridrl",

@@ -173,16 +173,27 @@ def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, refer
 
     env = {"HYBRIDRL_RAY_STATE": str(tmp_path / "ray")}
     extra = ["trainer.backend=ray", "ray.pool_name=pipeline", "ray.call_timeout_s=120"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
+                              env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+
+    status = None
     try:
         got, logs = killed_and_resumed(str(tmp_path / "runs"), "pool", prefect_api, None, extra,
                                        ["step-2:end", "step-4/update:before_commit"], env)  # fmt: skip
+        status = cli("pool", "status", "--pool", "pipeline")
     finally:
         head = json.loads((tmp_path / "ray" / "head.json").read_text())["temp_dir"]
-        down = subprocess.run([sys.executable, "-m", "flows.cli", "pool", "down", "--pool",
-                               "pipeline"], env={**os.environ, **env}, cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        down = cli("pool", "down", "--pool", "pipeline")
         assert "stopped 1 worker(s)" in down.stdout, down.stdout + down.stderr
     assert not pool._head_processes(head), "the local Ray head outlived `pool down`"
+    assert "no local head is running" in cli("pool", "status", "--pool", "pipeline").stdout
+    # while it was up: one healthy worker holding the run's last weights version
+    assert status.returncode == 0 and status.stdout.count(" ok ") == 1, status.stdout
+    assert "actor-0" in status.stdout and "0/1" in status.stdout and f" {STEPS} " in status.stdout
+    assert "worker pool 'pipeline' stays up" in logs[-1]
     assert "the engine holds weights version 2: nothing to load" in logs[1]
     assert "loaded checkpoint step_2 (the engine held version 4)" in logs[2]
     assert_same_run(got, reference)  # 1 pool rank computes exactly what the local roles do

@@ -206,29 +206,3 @@ def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop
     assert_same_weights(engine.critic.full_state_dict(), local.critic.model.state_dict())
     assert all(torch.isfinite(torch.tensor(h["critic/vf_loss"])) for h in hist)
     engine.pool.down(stop_head=False)
-
-
-def test_cli_trains_on_the_pool_then_status_and_down(tmp_path):
-    def cli(*args):
-        env = {**os.environ, "PYTHONPATH": "tests"}
-        return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-
-    p = cli("train", "configs/grpo_tiny.yaml", SIGNAL, "trainer.backend=ray", "ray.pool_name=cli",
-            "actor.layout.dp=2", f"storage.root={tmp_path}", "trainer.run_id=r1", "tracking.enabled=false")  # fmt: skip
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "worker pool 'cli' stays up" in p.stdout
-    weights = load_file(tmp_path / "r1" / "final" / "model.safetensors")
-    assert "model.embed_tokens.weight" in weights
-
-    status = cli("pool", "status", "--pool", "cli")
-    assert status.returncode == 0 and status.stdout.count(" ok ") == 2, status.stdout
-    assert "actor-1" in status.stdout and "1/2" in status.stdout
-    from hybrid_engine import pool
-
-    HEADS.add(json.loads((pool.state_dir() / "head.json").read_text())["temp_dir"])
-    down = cli("pool", "down", "--pool", "cli")
-    assert "stopped 2 worker(s)" in down.stdout, down.stdout + down.stderr
-    # the last pool on the local head: `pool down` stopped the head too
-    assert not (pool.state_dir() / "head.json").exists()
-    assert "no local head is running" in cli("pool", "status", "--pool", "cli").stdout

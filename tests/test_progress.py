@@ -1,0 +1,85 @@
+"""Live progress: the rollout's token counter, the events a real flow run announces, and the
+CLI's live display drawing them (tokens/s while rolling out, steps with an ETA)."""
+
+import io
+import threading
+
+import torch
+from rich.console import Console
+
+from flows.display import LiveDisplay
+from hybrid_engine.batch import Batch
+from hybrid_engine.models import load_policy
+from hybrid_engine.rollout import HFRollout, SamplingParams
+from tasks.progress import listening
+
+
+def test_rollout_counts_the_tokens_it_samples_as_it_goes(tiny_cfg, tokenizer):
+    model = load_policy(tiny_cfg.model, tokenizer, seed=0)
+    rollout = HFRollout(model, tokenizer.pad_token_id, tokenizer.eos_token_id, micro_batch_size=4)
+    prompts = torch.randint(3, 100, (8, 5))
+    batch = Batch({"prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts)})
+    seen, out = [], {}
+    worker = threading.Thread(
+        target=lambda: out.update(b=rollout.generate(batch, SamplingParams(48, seed=1)))
+    )
+    worker.start()
+    while worker.is_alive():
+        if (p := rollout.progress()) is not None:
+            seen.append(p["tokens"])
+    worker.join()
+    assert rollout.progress() is None  # nothing runs now
+    # the count is exact: every response token up to and including its EOS, over 2 chunks
+    assert (
+        rollout.tokens_so_far == out["b"].meta["gen_tokens"] == int(out["b"]["response_mask"].sum())
+    )
+    assert seen and seen == sorted(seen) and seen[-1] <= rollout.tokens_so_far
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def run_started(self, run_id, start, total):
+        self.events.append(("run", start, total))
+
+    def stage_started(self, step, stage, engine):
+        self.events.append(("start", step, stage))
+
+    def stage_finished(self, step, stage, seconds, skipped):
+        assert seconds >= 0
+        self.events.append(("end", step, stage, skipped))
+
+    def step_finished(self, step, metrics, line):
+        assert f"step {step:>4}" in line and "critic/score/mean" in metrics
+        self.events.append(("step", step))
+
+
+def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, prefect_api):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.train import train
+
+    screen = io.StringIO()
+    display = LiveDisplay(Console(file=screen, force_terminal=True, width=140))
+    display.poll_s = 0.02
+    recorder = Recorder()
+    overrides = [f"storage.root={tmp_path}", "tracking.enabled=false",
+                 "trainer.total_training_steps=2", "rollout.max_new_tokens=48",
+                 "trainer.val_before_train=true"]  # fmt: skip
+    with temporary_settings({PREFECT_API_URL: prefect_api}), display, listening(display), \
+            listening(recorder):  # fmt: skip
+        train(config="configs/grpo_tiny.yaml", overrides=overrides, run_id="p1")
+    stages = ["rollout", "reward", "advantage", "update"]
+    expected = [("run", 1, 2), ("start", 0, "validate"), ("end", 0, "validate", False)]
+    for step in (1, 2):
+        for s in stages:
+            expected += [("start", step, s), ("end", step, s, False)]
+        if step == 2:
+            expected += [("start", 2, "validate"), ("end", 2, "validate", False)]
+        expected.append(("step", step))
+    assert recorder.events == expected
+    drawn = screen.getvalue()
+    assert "tok/s" in drawn and "tokens" in drawn  # polled from the engine during rollout
+    assert "2/2" in drawn and "ETA 0:00:00" in drawn and "s/step" in drawn
+    assert "step 2 validate: done in" in drawn  # the last stage, as the display stops
