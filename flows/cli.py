@@ -59,6 +59,10 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
             from storage.store import new_run_id, validate_run_id
 
             cfg = load_config(config, overrides)
+            if cfg.reward.function:  # a typo here would otherwise surface after Prefect starts
+                from hybrid_engine.rewards import load_function
+
+                load_function(cfg.reward.function)
             run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
             console.print(f"run id: [bold]{run_id}[/]")
         from flows.train import train as train_flow

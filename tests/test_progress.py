@@ -3,6 +3,7 @@ CLI's live display drawing them (tokens/s while rolling out, steps with an ETA).
 
 import io
 import threading
+import time
 
 import torch
 from rich.console import Console
@@ -27,6 +28,7 @@ def test_rollout_counts_the_tokens_it_samples_as_it_goes(tiny_cfg, tokenizer):
     while worker.is_alive():
         if (p := rollout.progress()) is not None:
             seen.append(p["tokens"])
+        time.sleep(0.002)  # a busy loop would starve the generating thread of the GIL
     worker.join()
     assert rollout.progress() is None  # nothing runs now
     # the count is exact: every response token up to and including its EOS, over 2 chunks
@@ -56,6 +58,7 @@ class Recorder:
 
 
 def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, prefect_api):
+    from prefect.logging.handlers import APILogHandler
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.train import train
@@ -70,6 +73,7 @@ def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, pr
     with temporary_settings({PREFECT_API_URL: prefect_api}), display, listening(display), \
             listening(recorder):  # fmt: skip
         train(config="configs/grpo_tiny.yaml", overrides=overrides, run_id="p1")
+        APILogHandler().flush()  # send the run's logs while this test's server is up
     stages = ["rollout", "reward", "advantage", "update"]
     expected = [("run", 1, 2), ("start", 0, "validate"), ("end", 0, "validate", False)]
     for step in (1, 2):

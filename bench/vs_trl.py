@@ -1,0 +1,386 @@
+"""hybridrl vs TRL's GRPOTrainer: the same GRPO work, side by side, in one invocation.
+
+    .venv/bin/pip install -e '.[bench]'          # TRL 1.16 (accepts torch 2.13)
+    .venv/bin/python bench/vs_trl.py [--steps 3] [--rounds 2] [--threads 2] [--out bench/results]
+
+The work (both systems): SmolLM2-135M-Instruct in fp32; the demo's task (reasoning-gym
+basic_arithmetic, 2 terms, 1-2 digits, `+ -`, the short-answer system prompt); per step 8
+prompts x 4 samples, 32 new tokens at temperature 1.0 (no top-k / top-p); one AdamW update
+per step over the 32 samples; lr 1e-5 constant, grad clip 1.0; no KL (TRL `beta=0`, hybridrl
+no reference); the same prompts in the same order; the same torch thread count. TRL:
+`per_device_train_batch_size=32`, `steps_per_generation=1`, `num_generations=4`,
+`num_iterations=1` (one generation batch = one optimizer step), `gradient_checkpointing=False`,
+`loss_type="dapo"` (token-mean, like hybridrl's default), `scale_rewards="group"`,
+`shuffle_dataset=False`. hybridrl: `hybridrl train`'s flow (Prefect, local storage), roles
+in-process (`--backend local`, the default) or on the Ray pool (`--backend ray`), without the
+demo's overlong penalty (TRL has none) and without tracking.
+
+Each system runs in its own process, alternately (A B A B ...), a warm-up step first and then
+`--steps` measured steps; its peak memory is the peak of the summed RSS of every process
+involved (sampled every 0.25 s: the child and its descendants, e.g. Prefect's server, plus the
+local Ray head's processes for `--backend ray`). Also measured in the same invocation: plain
+`model.generate` at the same batch (32 sequences) and an fp32 matmul probe (GFLOP/s), so that
+training can be stated as a fraction of this machine's peak: train FLOPs = 6 x parameters x
+(prompt + response tokens, padding excluded); training seconds = step - generation.
+Writes `vs_trl.json`, `vs_trl.md` and `vs_trl.png` (step time by stage) to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS, SAMPLES, NEW_TOKENS, LR = 8, 4, 32, 1e-5
+OURS = ["trainer.val_before_train=false", "trainer.test_freq=0", "tracking.enabled=false",
+        "reward.overlong_buffer_len=0", f"actor.optim.lr={LR}", "actor.optim.warmup_steps=0",
+        f"data.train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
+        f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0"]  # fmt: skip
+
+
+def demo_config(overrides: list[str]):  # noqa: ANN201 - HybridConfig, imported late
+    sys.path.insert(0, str(ROOT))
+    from hybrid_engine.config import load_config
+
+    return load_config(ROOT / "configs/demo_cpu.yaml", OURS + overrides)
+
+
+def emit(record: dict[str, Any]) -> None:
+    print("BENCH " + json.dumps(record), flush=True)
+
+
+# ----------------------------------------------------------------------------- children
+def child_hybridrl(steps: int, threads: int, backend: str) -> None:
+    """`steps` steps of the `train` flow; per step: flow wall seconds and the engine's timings."""
+    sys.path.insert(0, str(ROOT))
+    from flows.train import train
+
+    root = tempfile.mkdtemp(prefix="vs-trl-")
+    overrides = [*OURS, f"trainer.total_training_steps={steps}", f"trainer.num_threads={threads}",
+                 f"trainer.backend={backend}", f"storage.root={root}", "ray.pool_name=vs-trl",
+                 "trainer.save_freq=0"]  # fmt: skip
+    result = train(config=str(ROOT / "configs/demo_cpu.yaml"), overrides=overrides, run_id="b")
+    summary = json.loads((Path(root) / "b/final/summary.json").read_text())
+    hist = {h["step"]: h for h in summary["history"] if h["step"] > 0}
+    for step, wall in sorted(result["step_wall_s"].items()):
+        m = hist[int(step)]
+        tokens = m["response_length/mean"] * PROMPTS * SAMPLES
+        emit({"step": int(step), "step_s": wall, "gen_s": m["timing_s/gen"],
+              "gen_tokens": tokens, "prompt_tokens": m["prompt_length/mean"] * PROMPTS * SAMPLES,
+              "reward_s": m.get("timing_s/reward", 0.0),
+              "update_s": m.get("timing_s/update_actor", 0.0)})  # fmt: skip
+
+
+def child_trl(steps: int, threads: int) -> None:
+    """`steps` GRPOTrainer steps on the same prompts; generation timed around `generate`."""
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = demo_config([])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hybrid_engine.data import PromptData
+    from hybrid_engine.models import load_tokenizer, resolve_model_path
+    from hybrid_engine.rewards import RewardScorer
+
+    data = PromptData(cfg.data)
+    rows = [r for s in range(1, steps + 1) for r in data.step_rows(s)]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "row": json.dumps(r)} for r in rows])
+    scorer = RewardScorer(None, cfg.reward.answer_format, cfg.data.task_config)
+
+    def reward(prompts, completions, row, **_):  # noqa: ANN001, ANN202
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return scorer.score([""] * len(texts), texts, [json.loads(r) for r in row])
+
+    tokenizer = load_tokenizer(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path),
+                                                 dtype=torch.float32)  # fmt: skip
+    timing = {"gen_s": 0.0, "gen_tokens": 0, "prompt_tokens": 0}
+    generate = model.generate
+    eos = tokenizer.eos_token_id
+
+    def timed_generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        out = generate(*args, **kwargs)
+        timing["gen_s"] += time.perf_counter() - start
+        prompt = kwargs["input_ids"]
+        completion = out[:, prompt.shape[1] :]
+        is_eos = (completion == eos).long()
+        timing["gen_tokens"] += int(((is_eos.cumsum(-1) - is_eos) == 0).sum())
+        timing["prompt_tokens"] += int(kwargs["attention_mask"].sum())
+        return out
+
+    model.generate = timed_generate
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
+            self.start = time.perf_counter()
+            timing.update(gen_s=0.0, gen_tokens=0, prompt_tokens=0)
+
+        def on_step_end(self, args, state, *_, **__):  # noqa: ANN001, ANN002, ANN003, ANN202
+            emit({"step": state.global_step, "step_s": time.perf_counter() - self.start, **timing})
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="vs-trl-trl-"), use_cpu=True, bf16=False, fp16=False,
+        per_device_train_batch_size=PROMPTS * SAMPLES, steps_per_generation=1,
+        num_generations=SAMPLES, num_iterations=1, beta=0.0, gradient_checkpointing=False,
+        max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        loss_type="dapo", scale_rewards="group", shuffle_dataset=False, max_steps=steps,
+        logging_steps=1, report_to="none", save_strategy="no", seed=cfg.trainer.seed,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Steps()])  # fmt: skip
+    trainer.train()
+
+
+def child_generate(threads: int, repeats: int = 3) -> None:
+    """Plain `model.generate` on the step's 32 sequences: tokens/s (the rollout baseline)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = demo_config([])
+    from hybrid_engine.data import PromptData, prompt_batch
+    from hybrid_engine.models import load_policy, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
+    rows = PromptData(cfg.data).step_rows(1)
+    batch = prompt_batch(rows, tokenizer, cfg.data.max_prompt_length).repeat_interleave(SAMPLES)
+    eos = tokenizer.eos_token_id
+    for i in range(repeats + 1):  # the first call warms up
+        torch.manual_seed(i)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
+                                 max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0,
+                                 top_p=1.0, top_k=0, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        seconds = time.perf_counter() - start
+        completion = out[:, batch["prompt_ids"].shape[1] :]
+        is_eos = (completion == eos).long()
+        tokens = int(((is_eos.cumsum(-1) - is_eos) == 0).sum())
+        if i:
+            emit({"gen_s": seconds, "gen_tokens": tokens})
+
+
+def child_matmul(threads: int, n: int = 2048, repeats: int = 10) -> None:
+    """fp32 GEMM GFLOP/s at this thread count: the machine's practical training peak."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        emit({"gflops": 2 * n**3 / (time.perf_counter() - start) / 1e9})
+
+
+# ----------------------------------------------------------------------------- parent
+def tree_rss(pid: int, extra: Any) -> int:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    procs += extra()
+    total = 0
+    for p in {p.pid: p for p in procs}.values():
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+def ray_processes() -> list[Any]:
+    """The local Ray head's processes (its daemons and our workers), if a head is running."""
+    sys.path.insert(0, str(ROOT))
+    from hybrid_engine import pool
+
+    state = pool.state_dir() / "head.json"
+    if not state.is_file():
+        return []
+    return pool._head_processes(json.loads(state.read_text())["temp_dir"])
+
+
+def run_child(kind: str, args: argparse.Namespace, extra=lambda: []) -> dict[str, Any]:  # noqa: ANN001
+    cmd = [sys.executable, __file__, "--child", kind, "--steps", str(args.steps + 1),
+           "--threads", str(args.threads), "--backend", args.backend]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.25):
+            peak[0] = max(peak[0], tree_rss(proc.pid, extra))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    records, tail = [], []
+    for line in proc.stdout:
+        if line.startswith("BENCH "):
+            records.append(json.loads(line[6:]))
+        else:
+            tail = (tail + [line.rstrip()])[-30:]
+    proc.wait()
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        sys.exit(f"{kind} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return {"records": records, "peak_rss_gb": peak[0] / 1024**3,
+            "wall_s": time.perf_counter() - start}  # fmt: skip
+
+
+def summarize(name: str, runs: list[dict[str, Any]], params: float) -> dict[str, Any]:
+    steps = [r for run in runs for r in run["records"] if r["step"] > 1]  # step 1 warms up
+    med = lambda key: statistics.median(r[key] for r in steps)  # noqa: E731
+    train_s = statistics.median(r["step_s"] - r["gen_s"] for r in steps)
+    tokens = statistics.median(r["gen_tokens"] + r["prompt_tokens"] for r in steps)
+    return {
+        "system": name, "steps_measured": len(steps), "step_s": med("step_s"),
+        "steps_per_hour": 3600 / med("step_s"), "gen_s": med("gen_s"),
+        "rollout_tokens_per_s": statistics.median(r["gen_tokens"] / r["gen_s"] for r in steps),
+        "train_s": train_s, "train_tokens": tokens,
+        "train_gflops": 6 * params * tokens / train_s / 1e9,
+        "peak_rss_gb": max(run["peak_rss_gb"] for run in runs),
+        "step_s_all": [round(r["step_s"], 2) for r in steps],
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per run (+1 warm-up)")
+    ap.add_argument("--rounds", type=int, default=2, help="A B rounds")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", choices=["local", "ray"], default="local")
+    ap.add_argument("--out", default=str(ROOT / "bench/results"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        {"hybridrl": lambda: child_hybridrl(args.steps, args.threads, args.backend),
+         "trl": lambda: child_trl(args.steps, args.threads),
+         "generate": lambda: child_generate(args.threads),
+         "matmul": lambda: child_matmul(args.threads)}[args.child]()  # fmt: skip
+        return
+
+    from safetensors import safe_open
+
+    sys.path.insert(0, str(ROOT))
+    from hybrid_engine.models import ensure_smollm2
+
+    with safe_open(ensure_smollm2() / "model.safetensors", "pt") as f:
+        params = float(sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()))  # noqa: SIM118
+    extra = ray_processes if args.backend == "ray" else (lambda: [])
+    print(f"[bench] {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, "
+          f"{args.threads} threads, {params / 1e6:.1f}M parameters; {args.rounds} rounds of "
+          f"hybridrl ({args.backend}) / TRL, {args.steps} measured steps each", flush=True)  # fmt: skip
+    probe = run_child("matmul", args)
+    gflops_peak = statistics.median(r["gflops"] for r in probe["records"])
+    print(f"[bench] fp32 matmul: {gflops_peak:.1f} GFLOP/s", flush=True)
+    runs: dict[str, list] = {"hybridrl": [], "trl": []}
+    for i in range(args.rounds):
+        order = ["hybridrl", "trl"] if i % 2 == 0 else ["trl", "hybridrl"]
+        for name in order:
+            got = run_child(name, args, extra if name == "hybridrl" else (lambda: []))
+            runs[name].append(got)
+            s = [round(r["step_s"], 1) for r in got["records"]]
+            print(f"[bench] round {i + 1} {name}: steps {s} s, peak {got['peak_rss_gb']:.2f} GB, "
+                  f"process {got['wall_s']:.0f} s", flush=True)  # fmt: skip
+        if args.backend == "ray":
+            subprocess.run([sys.executable, "-m", "flows.cli", "pool", "down", "--pool", "vs-trl"],
+                           cwd=ROOT, capture_output=True, timeout=300)  # fmt: skip
+    gen = run_child("generate", args)
+    plain = statistics.median(r["gen_tokens"] / r["gen_s"] for r in gen["records"])
+    ours, trl = (
+        summarize("hybridrl", runs["hybridrl"], params),
+        summarize("trl", runs["trl"], params),
+    )
+    for s in (ours, trl):
+        s["train_fraction_of_peak"] = s["train_gflops"] / gflops_peak
+    report = {"work": {"prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS,
+                       "threads": args.threads, "backend": args.backend, "lr": LR},
+              "matmul_gflops": gflops_peak, "plain_generate_tokens_per_s": plain,
+              "hybridrl": ours, "trl": trl,
+              "ratios": {"steps_per_hour": ours["steps_per_hour"] / trl["steps_per_hour"],
+                         "rollout_tokens_per_s": ours["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"],
+                         "rollout_vs_plain_generate": ours["rollout_tokens_per_s"] / plain,
+                         "peak_rss": ours["peak_rss_gb"] / trl["peak_rss_gb"]}}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vs_trl.json").write_text(json.dumps(report, indent=2))
+    (out / "vs_trl.md").write_text(table(report))
+    plot(report, out / "vs_trl.png")
+    print(table(report))
+
+
+def table(r: dict[str, Any]) -> str:
+    o, t, q = r["hybridrl"], r["trl"], r["ratios"]
+    rows = [
+        ("median seconds per step", f"{o['step_s']:.1f}", f"{t['step_s']:.1f}",
+         f"{q['steps_per_hour']:.2f}x steps/hour"),
+        ("generation seconds per step", f"{o['gen_s']:.1f}", f"{t['gen_s']:.1f}", ""),
+        ("rollout tokens/s", f"{o['rollout_tokens_per_s']:.0f}", f"{t['rollout_tokens_per_s']:.0f}",
+         f"{q['rollout_tokens_per_s']:.2f}x"),
+        ("training seconds per step (step - generation)", f"{o['train_s']:.1f}",
+         f"{t['train_s']:.1f}", ""),
+        ("training GFLOP/s (6 x params x real tokens)", f"{o['train_gflops']:.1f}",
+         f"{t['train_gflops']:.1f}", ""),
+        ("training as a fraction of the matmul peak", f"{o['train_fraction_of_peak']:.0%}",
+         f"{t['train_fraction_of_peak']:.0%}", ""),
+        ("peak RSS, all processes (GB)", f"{o['peak_rss_gb']:.2f}", f"{t['peak_rss_gb']:.2f}",
+         f"{q['peak_rss']:.2f}x"),
+    ]  # fmt: skip
+    w = r["work"]
+    head = (f"{w['prompts']} prompts x {w['samples']} samples, {w['new_tokens']} new tokens, "
+            f"{w['threads']} threads, hybridrl backend {w['backend']}; fp32 matmul peak "
+            f"{r['matmul_gflops']:.1f} GFLOP/s; plain `model.generate` at the same batch "
+            f"{r['plain_generate_tokens_per_s']:.0f} tokens/s (hybridrl rollout "
+            f"{q['rollout_vs_plain_generate']:.2f}x of it); medians of {o['steps_measured']} "
+            f"(hybridrl) and {t['steps_measured']} (TRL) steps after a warm-up step each.\n\n")  # fmt: skip
+    lines = ["| | hybridrl | TRL 1.16 | hybridrl / TRL |", "| --- | --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["hybridrl", "trl"]
+    gen = [r[n]["gen_s"] for n in names]
+    train = [r[n]["train_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(names, gen, label="generation", color="#4c78a8")
+    ax.barh(names, train, left=gen, label="training + the rest", color="#f58518")
+    for i, n in enumerate(names):
+        ax.text(gen[i] + train[i] + 0.3, i, f"{r[n]['step_s']:.1f} s", va="center")
+    ax.set_xlabel("median seconds per step")
+    ax.set_xlim(0, max(r[n]["step_s"] for n in names) * 1.15)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+    ax.set_title("GRPO step, SmolLM2-135M fp32, 32 samples x 32 tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
