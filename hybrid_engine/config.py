@@ -144,6 +144,11 @@ class ActorConfig(Section):
     log_prob_micro_batch_size: int = Field(
         16, gt=0, description="samples per forward when computing old log-probs"
     )
+    pack_prompts: bool = Field(
+        True,
+        description="log-probs without padding, each prompt computed once for its rollout.n "
+        "samples (one packed sequence per micro-batch, block attention mask)",
+    )
 
 
 class ValSamplingConfig(Section):

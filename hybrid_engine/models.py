@@ -254,5 +254,80 @@ def response_log_probs(
     return logp, entropy
 
 
+def packed_response_log_probs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` without padding, each prompt computed once for its samples.
+
+    Rows (left-padded prompt | right-padded response) that repeat the prompt of the row before
+    them (GRPO's n samples) form a group. The whole batch becomes one sequence: for each group
+    its prompt's real tokens, then each sample's real response tokens, with a block attention
+    mask (a response sees its prompt and its own earlier tokens, nothing else) and positions
+    that restart after the prompt for every response. The LM head runs only on the positions
+    that predict a response token; a response's first token is predicted from its prompt's
+    last position, shared by the group. Returns the same (rows, response_len) tensors as
+    `response_log_probs` (0 where the response is padding)."""
+    device = input_ids.device
+    rows, width = input_ids.shape
+    p_len = width - response_len
+    prompt, p_mask = input_ids[:, :p_len], attention_mask[:, :p_len]
+    resp, r_mask = input_ids[:, p_len:], attention_mask[:, p_len:].bool()
+    same = torch.zeros(rows, dtype=torch.bool, device=device)
+    same[1:] = (prompt[1:] == prompt[:-1]).all(-1) & (p_mask[1:] == p_mask[:-1]).all(-1)
+    ids, pos, tok_group, tok_row = [], [], [], []  # tok_row: -1 on prompt tokens
+    src_of = []  # per row: the packed position predicting each of its response tokens
+    start = prompt_last = n_prompt = 0
+    group = -1
+    for r in range(rows):
+        if not same[r]:  # a new prompt
+            real = prompt[r][p_mask[r].bool()]
+            group += 1
+            ids.append(real)
+            pos.append(torch.arange(len(real), device=device))
+            tok_group.append(torch.full((len(real),), group, device=device))
+            tok_row.append(torch.full((len(real),), -1, device=device))
+            n_prompt, prompt_last = len(real), start + len(real) - 1
+            start += len(real)
+        toks = resp[r][r_mask[r]]
+        ids.append(toks)
+        pos.append(n_prompt + torch.arange(len(toks), device=device))
+        tok_group.append(torch.full((len(toks),), group, device=device))
+        tok_row.append(torch.full((len(toks),), r, device=device))
+        before = start - 1 + torch.arange(len(toks), device=device)  # the previous token
+        before[:1] = prompt_last  # the first response token follows the prompt
+        src_of.append(before)
+        start += len(toks)
+    ids_t, pos_t = torch.cat(ids), torch.cat(pos)
+    g, row = torch.cat(tok_group), torch.cat(tok_row)
+    # a token sees earlier tokens of its group that are its prompt or its own response
+    visible = (g[:, None] == g[None, :]) & ((row[None, :] < 0) | (row[:, None] == row[None, :]))
+    mask4d = (visible & torch.ones_like(visible).tril())[None, None]
+    total = len(ids_t)
+    srcs = torch.cat(src_of)
+    needed = torch.zeros(total, dtype=torch.bool, device=device)
+    needed[srcs] = True
+    out = model(input_ids=ids_t[None], attention_mask=mask4d, position_ids=pos_t[None],
+                logits_to_keep=needed[None], use_cache=False)  # fmt: skip
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # (needed positions, vocab)
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    index = torch.cumsum(needed.long(), 0) - 1  # packed position -> row of `logits`
+    picked = logits[index[srcs]]  # one row per response token (shared rows repeat)
+    targets = resp[r_mask]
+    lp = picked.gather(-1, targets[:, None]).squeeze(-1) - picked.logsumexp(-1)
+    logp = torch.zeros(rows, response_len, dtype=lp.dtype, device=device)
+    logp = logp.masked_scatter(r_mask, lp)
+    entropy = None
+    if with_entropy:
+        ent = entropy_from_logits(picked)
+        entropy = torch.zeros_like(logp).masked_scatter(r_mask, ent)
+    return logp, entropy
+
+
 if __name__ == "__main__":  # `python -m hybrid_engine.models`: convert and cache SmolLM2 now
     print(ensure_smollm2())

@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from hybrid_engine.batch import Batch
+from hybrid_engine.models import position_ids_from_mask
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,32 @@ def with_responses(
         **extra,
     }
     return batch.union(Batch(fields))
+
+
+def shared_prompt_cache(
+    model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> DynamicCache | None:
+    """The prompts' keys and values, each distinct prompt computed once.
+
+    GRPO-style batches repeat every prompt `rollout.n` times in consecutive rows. The distinct
+    prompts run through the model once (all tokens but the last, which `generate` computes as
+    its first step) and each row of the cache is then copied to the samples of its prompt:
+    1/n of the prefill work. None when no two consecutive rows are the same prompt."""
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(
+        -1
+    )
+    if prompt_ids.shape[1] < 2 or not bool(same.any()):
+        return None
+    first = torch.cat([same.new_ones(1), ~same])  # the row starts a new prompt
+    rows = first.nonzero().squeeze(-1)
+    ids, mask = prompt_ids[rows, :-1], prompt_mask[rows, :-1]
+    if not bool(mask.any(-1).all()):  # a one-token prompt: nothing to share
+        return None
+    cache = DynamicCache()
+    model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+          cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+    cache.reorder_cache(first.long().cumsum(0) - 1)  # row i <- its prompt's row
+    return cache
 
 
 class _CountTokens(StoppingCriteria):
@@ -106,9 +133,11 @@ class HFRollout:
             for i, part in enumerate(batch.split(self.micro_batch_size)):
                 torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
                 prompt_ids = part["prompt_ids"].to(device)
+                prompt_mask = part["prompt_mask"].to(device)
                 out = self.model.generate(
                     input_ids=prompt_ids,
-                    attention_mask=part["prompt_mask"].to(device),
+                    attention_mask=prompt_mask,
+                    cache=shared_prompt_cache(self.model, prompt_ids, prompt_mask),
                     max_new_tokens=sampling.max_new_tokens,
                     do_sample=not sampling.greedy,
                     temperature=sampling.temperature if not sampling.greedy else None,

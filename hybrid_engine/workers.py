@@ -28,6 +28,7 @@ from hybrid_engine.models import (
     load_critic,
     load_policy,
     load_reward_model,
+    packed_response_log_probs,
     position_ids_from_mask,
     resolve_model_path,
     response_log_probs,
@@ -173,6 +174,11 @@ class ActorRolloutRef:
         return out
 
     # ---------------------------------------------------------------- log-probs
+    @property
+    def log_probs_fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+        """Packed (no padding, shared prompts) or padded log-probs (`actor.pack_prompts`)."""
+        return packed_response_log_probs if self.cfg.actor.pack_prompts else response_log_probs
+
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs` and `entropy` of the current policy on the batch's responses."""
@@ -189,7 +195,7 @@ class ActorRolloutRef:
 
         def fn(mb: Batch) -> dict[str, torch.Tensor]:
             n = mb["response_mask"].shape[1]
-            logp, ent = response_log_probs(
+            logp, ent = self.log_probs_fn(
                 model, mb["input_ids"], mb["attention_mask"], n, temp, with_entropy=entropy
             )
             return {key: logp, "entropy": ent} if entropy else {key: logp}
@@ -208,7 +214,7 @@ class ActorRolloutRef:
 
         def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[torch.Tensor, dict]:
             mask = small["response_mask"]
-            logp, ent = response_log_probs(
+            logp, ent = self.log_probs_fn(
                 self.policy, small["input_ids"], small["attention_mask"], keep, temp, True
             )
             # Without stored old log-probs the data is on-policy (see Engine).

@@ -63,3 +63,29 @@ def test_greedy_is_deterministic_and_stops_at_eos(setup, tokenizer):
     assert out["response_ids"][r, k] == eos
     assert (out["response_ids"][r][out["response_mask"][r] == 0] == pad).all()
     assert torch.equal(out["response_ids"][r, : k + 1], free["response_ids"][r, : k + 1])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_shared_prompt_prefill_generates_what_the_full_prefill_does(setup, tokenizer, greedy):
+    """Each prompt's keys/values computed once and copied to its 4 samples: the same logits
+    at every step (to float error) and, greedy, the same tokens as `generate` alone."""
+    from hybrid_engine.rollout import shared_prompt_cache
+
+    model, prompts = setup
+    batch = prompts.repeat_interleave(4)  # left-padded prompts of different lengths
+    ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=not greedy, top_k=None,
+              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+              output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    outs = []
+    for cache in (None, shared_prompt_cache(model, ids, mask)):
+        torch.manual_seed(5)
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, cache=cache, **kw))
+    full, shared = outs
+    distinct = prompts["prompt_ids"], prompts["prompt_mask"]
+    assert shared_prompt_cache(model, *distinct) is None  # nothing to share
+    first = torch.stack(full.scores[:1]), torch.stack(shared.scores[:1])
+    assert torch.allclose(*first, atol=1e-4), (first[0] - first[1]).abs().max()
+    if greedy:
+        assert torch.equal(full.sequences, shared.sequences)
