@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # hybrid_engine, flows (also when not installed)
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 8, 4, 32, 1e-5
 OURS = ["trainer.val_before_train=false", "trainer.test_freq=0", "tracking.enabled=false",
         "reward.overlong_buffer_len=0", f"actor.optim.lr={LR}", "actor.optim.warmup_steps=0",
@@ -52,7 +53,6 @@ OURS = ["trainer.val_before_train=false", "trainer.test_freq=0", "tracking.enabl
 
 
 def demo_config(overrides: list[str]):  # noqa: ANN201 - HybridConfig, imported late
-    sys.path.insert(0, str(ROOT))
     from hybrid_engine.config import load_config
 
     return load_config(ROOT / "configs/demo_cpu.yaml", OURS + overrides)
@@ -65,7 +65,6 @@ def emit(record: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- children
 def child_hybridrl(steps: int, threads: int, backend: str) -> None:
     """`steps` steps of the `train` flow; per step: flow wall seconds and the engine's timings."""
-    sys.path.insert(0, str(ROOT))
     from flows.train import train
 
     root = tempfile.mkdtemp(prefix="vs-trl-")
@@ -97,6 +96,7 @@ def child_trl(steps: int, threads: int) -> None:
     from hybrid_engine.data import PromptData
     from hybrid_engine.models import load_tokenizer, resolve_model_path
     from hybrid_engine.rewards import RewardScorer
+    from hybrid_engine.rollout import response_mask_from_ids
 
     data = PromptData(cfg.data)
     rows = [r for s in range(1, steps + 1) for r in data.step_rows(s)]
@@ -118,10 +118,8 @@ def child_trl(steps: int, threads: int) -> None:
         start = time.perf_counter()
         out = generate(*args, **kwargs)
         timing["gen_s"] += time.perf_counter() - start
-        prompt = kwargs["input_ids"]
-        completion = out[:, prompt.shape[1] :]
-        is_eos = (completion == eos).long()
-        timing["gen_tokens"] += int(((is_eos.cumsum(-1) - is_eos) == 0).sum())
+        completion = out[:, kwargs["input_ids"].shape[1] :]
+        timing["gen_tokens"] += int(response_mask_from_ids(completion, eos).sum())
         timing["prompt_tokens"] += int(kwargs["attention_mask"].sum())
         return out
 
@@ -158,6 +156,7 @@ def child_generate(threads: int, repeats: int = 3) -> None:
     cfg = demo_config([])
     from hybrid_engine.data import PromptData, prompt_batch
     from hybrid_engine.models import load_policy, load_tokenizer
+    from hybrid_engine.rollout import response_mask_from_ids
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
@@ -173,8 +172,7 @@ def child_generate(threads: int, repeats: int = 3) -> None:
                                  top_p=1.0, top_k=0, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
         seconds = time.perf_counter() - start
         completion = out[:, batch["prompt_ids"].shape[1] :]
-        is_eos = (completion == eos).long()
-        tokens = int(((is_eos.cumsum(-1) - is_eos) == 0).sum())
+        tokens = int(response_mask_from_ids(completion, eos).sum())
         if i:
             emit({"gen_s": seconds, "gen_tokens": tokens})
 
@@ -210,7 +208,6 @@ def tree_rss(pid: int, extra: Any) -> int:
 
 def ray_processes() -> list[Any]:
     """The local Ray head's processes (its daemons and our workers), if a head is running."""
-    sys.path.insert(0, str(ROOT))
     from hybrid_engine import pool
 
     state = pool.state_dir() / "head.json"
@@ -291,7 +288,6 @@ def main() -> None:
 
     from safetensors import safe_open
 
-    sys.path.insert(0, str(ROOT))
     from hybrid_engine.models import ensure_smollm2
 
     with safe_open(ensure_smollm2() / "model.safetensors", "pt") as f:

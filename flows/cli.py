@@ -194,7 +194,8 @@ TrackingUri = Annotated[
 Experiment = Annotated[str, typer.Option("--experiment", help="MLflow experiment")]
 
 
-def _runs_error(e: Exception) -> None:
+def _fail(e: Exception) -> None:
+    """One red line naming the problem, exit status 1."""
     console.print(f"[red]error:[/] {e}", soft_wrap=True)
     raise typer.Exit(1) from None
 
@@ -237,7 +238,7 @@ def runs_show(run_id: str, tracking_uri: TrackingUri = None,
     try:
         run = find_run(tracking_uri, run_id, experiment)
     except LookupError as e:
-        _runs_error(e)
+        _fail(e)
     console.print(f"[bold]{run_id}[/]  {run.info.status}  mlflow run {run.info.run_id}")
     for k, v in sorted(run.data.tags.items()):
         if k.startswith(("hybridrl.", "prefect.")):
@@ -257,7 +258,7 @@ def runs_compare(run_a: str, run_b: str, tracking_uri: TrackingUri = None,
     try:
         a, b = (find_run(tracking_uri, r, experiment) for r in (run_a, run_b))
     except LookupError as e:
-        _runs_error(e)
+        _fail(e)
     params, metrics = compare(a, b)
     for title, rows in (("config differences", params), ("last metrics", metrics)):
         table = Table(title=title)
@@ -293,7 +294,7 @@ def deploy(
     try:
         got = make(names or [], Path(prefect_file) if prefect_file else DEFAULT_FILE)
     except DeployError as e:
-        _runs_error(e)
+        _fail(e)
     for pool in got["pools_created"]:
         console.print(f"work pool {pool!r} created (type process)")
     for d in got["deployments"]:

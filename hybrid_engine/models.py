@@ -245,13 +245,27 @@ def response_log_probs(
         logits_to_keep=response_len + 1,
         use_cache=False,
     )
-    logits = out.logits[:, :-1].float()
+    return _token_log_probs(out.logits[:, :-1], input_ids[:, -response_len:], temperature,
+                            with_entropy)  # fmt: skip
+
+
+def _token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature) at `targets`, and optionally the entropy."""
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, -response_len:]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return logp, entropy
+    return logp, entropy_from_logits(logits) if with_entropy else None
+
+
+def repeats_previous_row(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(rows,) True where a row's tokens and mask equal the row before it (GRPO's samples of
+    one prompt sit in consecutive rows)."""
+    same = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+    same[1:] = (ids[1:] == ids[:-1]).all(-1) & (mask[1:] == mask[:-1]).all(-1)
+    return same
 
 
 def packed_response_log_probs(
@@ -277,8 +291,7 @@ def packed_response_log_probs(
     p_len = width - response_len
     prompt, p_mask = input_ids[:, :p_len], attention_mask[:, :p_len]
     resp, r_mask = input_ids[:, p_len:], attention_mask[:, p_len:].bool()
-    same = torch.zeros(rows, dtype=torch.bool, device=device)
-    same[1:] = (prompt[1:] == prompt[:-1]).all(-1) & (p_mask[1:] == p_mask[:-1]).all(-1)
+    same = repeats_previous_row(prompt, p_mask)
     ids, pos, tok_group, tok_row = [], [], [], []  # tok_row: -1 on prompt tokens
     src_of = []  # per row: the packed position predicting each of its response tokens
     start = prompt_last = n_prompt = 0
@@ -313,19 +326,12 @@ def packed_response_log_probs(
     needed[srcs] = True
     out = model(input_ids=ids_t[None], attention_mask=mask4d, position_ids=pos_t[None],
                 logits_to_keep=needed[None], use_cache=False)  # fmt: skip
-    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # (needed positions, vocab)
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
+    logits = out.logits.reshape(-1, out.logits.shape[-1])  # (needed positions, vocab)
     index = torch.cumsum(needed.long(), 0) - 1  # packed position -> row of `logits`
     picked = logits[index[srcs]]  # one row per response token (shared rows repeat)
-    targets = resp[r_mask]
-    lp = picked.gather(-1, targets[:, None]).squeeze(-1) - picked.logsumexp(-1)
-    logp = torch.zeros(rows, response_len, dtype=lp.dtype, device=device)
-    logp = logp.masked_scatter(r_mask, lp)
-    entropy = None
-    if with_entropy:
-        ent = entropy_from_logits(picked)
-        entropy = torch.zeros_like(logp).masked_scatter(r_mask, ent)
+    lp, ent = _token_log_probs(picked, resp[r_mask], temperature, with_entropy)
+    logp = torch.zeros(rows, response_len, dtype=lp.dtype, device=device).masked_scatter(r_mask, lp)
+    entropy = None if ent is None else torch.zeros_like(logp).masked_scatter(r_mask, ent)
     return logp, entropy
 
 

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.models import position_ids_from_mask
+from hybrid_engine.models import position_ids_from_mask, repeats_previous_row
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,9 @@ def shared_prompt_cache(
     prompts run through the model once (all tokens but the last, which `generate` computes as
     its first step) and each row of the cache is then copied to the samples of its prompt:
     1/n of the prefill work. None when no two consecutive rows are the same prompt."""
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(
-        -1
-    )
-    if prompt_ids.shape[1] < 2 or not bool(same.any()):
+    first = ~repeats_previous_row(prompt_ids, prompt_mask)  # the row starts a new prompt
+    if prompt_ids.shape[1] < 2 or bool(first.all()):
         return None
-    first = torch.cat([same.new_ones(1), ~same])  # the row starts a new prompt
     rows = first.nonzero().squeeze(-1)
     ids, mask = prompt_ids[rows, :-1], prompt_mask[rows, :-1]
     if not bool(mask.any(-1).all()):  # a one-token prompt: nothing to share
