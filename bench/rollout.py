@@ -1,13 +1,18 @@
-"""Rollout speed: hybridrl's `hf` backend vs plain `model.generate`, same prompts and batch.
+"""Rollout speed: hybridrl's `hf` backend vs plain `model.generate`, and this machine's floor.
 
     .venv/bin/python bench/rollout.py [--prompts 8] [--n 4] [--max-new-tokens 32] [--repeats 2]
 
-Prints completion tokens per second for both (sampling at temperature 1.0, SmolLM2-135M).
+Prints completion tokens per second for both (sampling at temperature 1.0, SmolLM2-135M), and
+the floor of any decoder here: a decode step must run every weight matrix of the model once
+(all `nn.Linear` layers, LM head included) for the whole batch. Timed alone, those matmuls
+give the most tokens/s any implementation can reach at this batch without changing the
+work (no draft model, no quantisation).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -15,7 +20,22 @@ import torch
 from hybrid_engine.config import load_config
 from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.models import load_policy, load_tokenizer
-from hybrid_engine.rollout import HFRollout, SamplingParams
+from hybrid_engine.rollout import HFRollout, SamplingParams, response_mask_from_ids
+
+
+@torch.no_grad()
+def decode_step_matmuls_s(model: torch.nn.Module, rows: int, repeats: int = 7) -> float:
+    """Median seconds of one pass over every Linear layer at `rows` rows (one decode step's
+    matmuls, each weight read once)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in linears}}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for m in linears:
+            m(inputs[m.in_features])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -27,16 +47,20 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config("configs/demo_cpu.yaml")
     tok = load_tokenizer(cfg.model)
-    model = load_policy(cfg.model, tok, seed=0)
+    model = load_policy(cfg.model, tok, seed=0).eval()
     rows = PromptData(cfg.data).step_rows(1)[: args.prompts]
-    batch = prompt_batch(rows, tok, 256).repeat_interleave(args.n)
+    prompts = prompt_batch(rows, tok, 256)
+    batch = prompts.repeat_interleave(args.n)
     ours = HFRollout(model, tok.pad_token_id, tok.eos_token_id, micro_batch_size=len(batch))
     print(f"torch threads: {torch.get_num_threads()}, batch {len(batch)} sequences, "
           f"{args.max_new_tokens} new tokens, temperature 1.0")  # fmt: skip
+    ours_tps, plain_tps, steps, tokens = [], [], [], []
     for r in range(args.repeats):
         sp = SamplingParams(args.max_new_tokens, 1.0, seed=r)
         out = ours.generate(batch, sp)
-        ours_tps = out.meta["gen_tokens_per_s"]
+        ours_tps.append(out.meta["gen_tokens_per_s"])
+        steps.append(out["response_ids"].shape[1])
+        tokens.append(out.meta["gen_tokens"])
 
         torch.manual_seed(r)
         start = time.perf_counter()
@@ -44,14 +68,34 @@ def main() -> None:
             seq = model.generate(
                 input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
                 max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                top_k=None, top_p=None, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
             )  # fmt: skip
         secs = time.perf_counter() - start
         resp = seq[:, batch["prompt_ids"].shape[1] :]
-        is_eos = (resp == tok.eos_token_id).long()
-        plain_tokens = int(((is_eos.cumsum(-1) - is_eos) == 0).sum())
-        print(f"repeat {r}: hybridrl hf {ours_tps:7.1f} tok/s ({out.meta['gen_tokens']} tokens) | "
-              f"plain generate {plain_tokens / secs:7.1f} tok/s ({plain_tokens} tokens)")  # fmt: skip
+        plain_tokens = int(response_mask_from_ids(resp, tok.eos_token_id).sum())
+        plain_tps.append(plain_tokens / secs)
+        print(f"repeat {r}: hybridrl hf {ours_tps[-1]:7.1f} tok/s ({out.meta['gen_tokens']} "
+              f"tokens, {steps[-1]} steps) | plain generate {plain_tps[-1]:7.1f} tok/s "
+              f"({plain_tokens} tokens)")  # fmt: skip
+
+    # The floor: one step's matmuls per decode step, plus the distinct prompts' prefill.
+    step_s = decode_step_matmuls_s(model, len(batch))
+    with torch.no_grad():
+        start = time.perf_counter()
+        model(input_ids=prompts["prompt_ids"], attention_mask=prompts["prompt_mask"],
+              logits_to_keep=1)  # fmt: skip
+        prefill_s = time.perf_counter() - start
+    best = statistics.median(
+        k / (prefill_s + n * step_s) for k, n in zip(tokens, steps, strict=True)
+    )
+    plain = statistics.median(plain_tps)
+    print(f"median: hybridrl {statistics.median(ours_tps):.1f} tok/s, plain generate "
+          f"{plain:.1f} tok/s, ratio {statistics.median(ours_tps) / plain:.2f}x")  # fmt: skip
+    print(f"floor: one decode step's matmuls {1000 * step_s:.0f} ms at {len(batch)} rows "
+          f"(weights {sum(p.numel() for p in model.parameters()) * 4 / 1e6:.0f} MB read per "
+          f"step), prefill of the {len(prompts)} distinct prompts {prefill_s:.2f} s: at best "
+          f"{best:.0f} tok/s = {best / plain:.2f}x plain generate")  # fmt: skip
 
 
 if __name__ == "__main__":

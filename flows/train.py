@@ -37,7 +37,7 @@ from tasks.stages import advantage, reward, rollout, update, validate
 # What a resumed run may change: where things live and run, not what is computed.
 RESUME_MAY_CHANGE = (
     "storage.", "ray.", "pipeline.", "tracking.", "trainer.total_training_steps",
-    "trainer.num_threads",
+    "trainer.num_threads", "trainer.reuse_freed_memory",
     "trainer.backend", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
 )  # fmt: skip
 

@@ -264,6 +264,13 @@ class TrainerConfig(Section):
     )
     run_id: str | None = Field(None, description="None = <preset>-<timestamp>")
     num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
+    reuse_freed_memory: bool = Field(
+        True,
+        description="backend local: keep freed memory in the process (glibc: no mmap, no "
+        "trim) instead of returning it to the OS and faulting it back in at every update "
+        "(SmolLM2 demo: update 9-10 -> 7 s, peak RSS 3.7 -> 4.2 GB). Pool workers follow "
+        "ray.worker_env instead",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -276,63 +276,69 @@ def packed_response_log_probs(
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`response_log_probs` without padding, each prompt computed once for its samples.
+    """`response_log_probs` without padding inside a group, each prompt computed once.
 
     Rows (left-padded prompt | right-padded response) that repeat the prompt of the row before
-    them (GRPO's n samples) form a group. The whole batch becomes one sequence: for each group
-    its prompt's real tokens, then each sample's real response tokens, with a block attention
-    mask (a response sees its prompt and its own earlier tokens, nothing else) and positions
-    that restart after the prompt for every response. The LM head runs only on the positions
-    that predict a response token; a response's first token is predicted from its prompt's
-    last position, shared by the group. Returns the same (rows, response_len) tensors as
-    `response_log_probs` (0 where the response is padding)."""
+    them (GRPO's n samples) form a group, and each group becomes one packed row: its prompt's
+    real tokens, then each sample's real response tokens, with positions that restart after
+    the prompt for every response. A block attention mask lets a response see its prompt and
+    its own earlier tokens, nothing else; packed rows are right-padded to the longest one, so
+    attention costs groups x length² rather than (all tokens)². The LM head runs only on the
+    positions that predict a response token (a 2-D boolean `logits_to_keep`); a response's
+    first token is predicted from its prompt's last position, shared by the group. Returns the
+    same (rows, response_len) tensors as `response_log_probs` (0 where the response is pad)."""
     device = input_ids.device
     rows, width = input_ids.shape
     p_len = width - response_len
     prompt, p_mask = input_ids[:, :p_len], attention_mask[:, :p_len]
     resp, r_mask = input_ids[:, p_len:], attention_mask[:, p_len:].bool()
-    same = repeats_previous_row(prompt, p_mask)
-    ids, pos, tok_group, tok_row = [], [], [], []  # tok_row: -1 on prompt tokens
-    src_of = []  # per row: the packed position predicting each of its response tokens
-    start = prompt_last = n_prompt = 0
-    group = -1
+    new_group = ~repeats_previous_row(prompt, p_mask)
+    ids: list[list[torch.Tensor]] = []  # per group: token pieces
+    pos: list[list[torch.Tensor]] = []
+    owner: list[list[torch.Tensor]] = []  # per token: its response's row, -1 on the prompt
+    src_of = []  # per row: (group, position in the group) predicting each response token
     for r in range(rows):
-        if not same[r]:  # a new prompt
+        if new_group[r]:
             real = prompt[r][p_mask[r].bool()]
-            group += 1
-            ids.append(real)
-            pos.append(torch.arange(len(real), device=device))
-            tok_group.append(torch.full((len(real),), group, device=device))
-            tok_row.append(torch.full((len(real),), -1, device=device))
-            n_prompt, prompt_last = len(real), start + len(real) - 1
-            start += len(real)
+            ids.append([real])
+            pos.append([torch.arange(len(real), device=device)])
+            owner.append([torch.full((len(real),), -1, device=device)])
+            n_prompt = start = len(real)
         toks = resp[r][r_mask[r]]
-        ids.append(toks)
-        pos.append(n_prompt + torch.arange(len(toks), device=device))
-        tok_group.append(torch.full((len(toks),), group, device=device))
-        tok_row.append(torch.full((len(toks),), r, device=device))
+        ids[-1].append(toks)
+        pos[-1].append(n_prompt + torch.arange(len(toks), device=device))
+        owner[-1].append(torch.full((len(toks),), r, device=device))
         before = start - 1 + torch.arange(len(toks), device=device)  # the previous token
-        before[:1] = prompt_last  # the first response token follows the prompt
-        src_of.append(before)
+        before[:1] = n_prompt - 1  # the first response token follows the prompt
+        src_of.append(torch.stack([torch.full_like(before, len(ids) - 1), before]))
         start += len(toks)
-    ids_t, pos_t = torch.cat(ids), torch.cat(pos)
-    g, row = torch.cat(tok_group), torch.cat(tok_row)
-    # a token sees earlier tokens of its group that are its prompt or its own response
-    visible = (g[:, None] == g[None, :]) & ((row[None, :] < 0) | (row[:, None] == row[None, :]))
-    mask4d = (visible & torch.ones_like(visible).tril())[None, None]
-    total = len(ids_t)
-    srcs = torch.cat(src_of)
-    needed = torch.zeros(total, dtype=torch.bool, device=device)
-    needed[srcs] = True
-    out = model(input_ids=ids_t[None], attention_mask=mask4d, position_ids=pos_t[None],
-                logits_to_keep=needed[None], use_cache=False)  # fmt: skip
+    length = max(sum(len(t) for t in g) for g in ids)
+
+    def packed(pieces: list[list[torch.Tensor]], pad: int) -> torch.Tensor:
+        return torch.stack([pad_1d(torch.cat(g), length, pad) for g in pieces])
+
+    ids_t, pos_t, row = packed(ids, 0), packed(pos, 0), packed(owner, -2)  # -2: padding
+    # a token sees the earlier tokens of its packed row that are the prompt or its own response
+    # (a padding token sees the prompt and the padding: nothing real reads it)
+    visible = (row[:, None, :] == -1) | (row[:, :, None] == row[:, None, :])
+    mask4d = (visible & torch.ones_like(visible[0]).tril())[:, None]
+    srcs = torch.cat(src_of, 1)
+    needed = torch.zeros(len(ids), length, dtype=torch.bool, device=device)
+    needed[srcs[0], srcs[1]] = True
+    out = model(input_ids=ids_t, attention_mask=mask4d, position_ids=pos_t,
+                logits_to_keep=needed, use_cache=False)  # fmt: skip
     logits = out.logits.reshape(-1, out.logits.shape[-1])  # (needed positions, vocab)
-    index = torch.cumsum(needed.long(), 0) - 1  # packed position -> row of `logits`
-    picked = logits[index[srcs]]  # one row per response token (shared rows repeat)
+    index = torch.cumsum(needed.flatten().long(), 0) - 1  # packed position -> row of `logits`
+    picked = logits[index[srcs[0] * length + srcs[1]]]  # one per response token
     lp, ent = _token_log_probs(picked, resp[r_mask], temperature, with_entropy)
     logp = torch.zeros(rows, response_len, dtype=lp.dtype, device=device).masked_scatter(r_mask, lp)
     entropy = None if ent is None else torch.zeros_like(logp).masked_scatter(r_mask, ent)
     return logp, entropy
+
+
+def pad_1d(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """`t` right-padded with `value` to `length`."""
+    return torch.nn.functional.pad(t, (0, length - len(t)), value=value)
 
 
 if __name__ == "__main__":  # `python -m hybrid_engine.models`: convert and cache SmolLM2 now

@@ -1,7 +1,8 @@
 """Rollout backends: `generate(batch, sampling) -> Batch`.
 
-`hf` samples with transformers' `generate` on the policy module itself, so on one CPU rank
-the rollout "layout" shares the training parameters' storage (no copy, no sync).
+`hf` samples with `decode`, a transformers model's forward in `generate`'s loop, on the policy
+module itself, so on one CPU rank the rollout "layout" shares the training parameters' storage
+(no copy, no sync).
 
 Input batch: `prompt_ids` (left padded) and `prompt_mask`.
 Output adds: `response_ids` (right padded), `response_mask` (1 up to and including EOS),
@@ -11,10 +12,17 @@ Output adds: `response_ids` (right padded), `response_mask` (1 up to and includi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from transformers import PreTrainedModel, StaticCache
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.models import position_ids_from_mask, repeats_previous_row
@@ -59,44 +67,88 @@ def with_responses(
     return batch.union(Batch(fields))
 
 
-def shared_prompt_cache(
-    model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
-) -> DynamicCache | None:
-    """The prompts' keys and values, each distinct prompt computed once.
+def logits_warpers(sampling: SamplingParams) -> LogitsProcessorList:
+    """transformers' temperature, top-k and top-p warpers that `sampling` asks for."""
+    warpers = LogitsProcessorList()
+    if not sampling.greedy and sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return warpers
 
-    GRPO-style batches repeat every prompt `rollout.n` times in consecutive rows. The distinct
-    prompts run through the model once (all tokens but the last, which `generate` computes as
-    its first step) and each row of the cache is then copied to the samples of its prompt:
-    1/n of the prefill work. None when no two consecutive rows are the same prompt."""
+
+def sample_tokens(logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """One token per row from (rows, vocab) logits: argmax, or a draw from softmax(logits).
+
+    The draw inverts the CDF with one uniform number per row (`searchsorted` on the cumulative
+    probabilities, in float64). `torch.multinomial` draws one exponential number per vocabulary
+    entry instead: 32 x 49k of them per step, about 40 ms on two CPU cores, a fifth of a decode
+    step of SmolLM2-135M. Tokens of probability 0 (cut by top-k/top-p) are never drawn: their
+    CDF interval is empty."""
+    if greedy:
+        return logits.argmax(-1)
+    cdf = logits.softmax(-1, dtype=torch.float64).cumsum(-1)
+    u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+
+
+@torch.no_grad()
+def decode(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: SamplingParams,
+    eos_token_id: int,
+    pad_token_id: int,
+    on_step: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """(rows, steps) response tokens for left-padded prompts, pad after each row's EOS.
+
+    The loop `generate` runs, with three differences that matter on a CPU (bench/rollout.py):
+    - a StaticCache of prompt width + max_new_tokens, written in place (a DynamicCache
+      concatenates every layer's keys and values at every step);
+    - GRPO's n samples of a prompt sit in consecutive rows: each distinct prompt is prefilled
+      once and its cache rows and first logits are copied to its samples (1/n of the prefill);
+    - `sample_tokens` draws with one uniform number per row.
+    Positions skip left padding, as in `generate`; greedy gives `generate`'s tokens. Stops when
+    every row has emitted EOS. `on_step(k)`: k rows were still open and sampled a token."""
+    rows, width = prompt_ids.shape
+    steps = sampling.max_new_tokens
+    cache = StaticCache(config=model.config, max_cache_len=width + steps)
     first = ~repeats_previous_row(prompt_ids, prompt_mask)  # the row starts a new prompt
-    if prompt_ids.shape[1] < 2 or bool(first.all()):
-        return None
-    rows = first.nonzero().squeeze(-1)
-    ids, mask = prompt_ids[rows, :-1], prompt_mask[rows, :-1]
-    if not bool(mask.any(-1).all()):  # a one-token prompt: nothing to share
-        return None
-    cache = DynamicCache()
-    model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-          cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
-    cache.reorder_cache(first.long().cumsum(0) - 1)  # row i <- its prompt's row
-    return cache
-
-
-class _CountTokens(StoppingCriteria):
-    """Never stops generation; counts the response tokens sampled so far (a row's tokens up
-    to and including its EOS), for live progress (`HFRollout.progress`)."""
-
-    def __init__(self, rollout: HFRollout, prompt_len: int) -> None:
-        self.rollout, self.prompt_len = rollout, prompt_len
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_) -> torch.BoolTensor:
-        before = input_ids[:, self.prompt_len : -1]  # this row is still open if no EOS here
-        self.rollout.tokens_so_far += int((before != self.rollout.eos_token_id).all(1).sum())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    distinct = first.nonzero().squeeze(-1)
+    mask = prompt_mask[distinct]
+    logits = model(input_ids=prompt_ids[distinct], attention_mask=mask, cache=cache,
+                   position_ids=position_ids_from_mask(mask), use_cache=True,
+                   logits_to_keep=1).logits[:, -1]  # fmt: skip
+    if len(distinct) < rows:
+        prompt_of = first.long().cumsum(0) - 1  # row i <- its prompt's row
+        cache.reorder_cache(prompt_of)
+        logits = logits[prompt_of]
+    warpers = logits_warpers(sampling)
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], 1)
+    position = prompt_mask.sum(-1, keepdim=True)  # of the first response token
+    out = torch.full((rows, steps), pad_token_id, dtype=prompt_ids.dtype, device=prompt_ids.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=prompt_ids.device)
+    for t in range(steps):
+        scores = warpers(out[:, :t], logits.float())
+        token = sample_tokens(scores, sampling.greedy).masked_fill_(done, pad_token_id)
+        out[:, t] = token
+        if on_step is not None:
+            on_step(int((~done).sum()))
+        done |= token == eos_token_id
+        if t == steps - 1 or bool(done.all()):
+            return out[:, : t + 1]
+        logits = model(input_ids=token[:, None], attention_mask=mask[:, : width + t + 1],
+                       position_ids=position + t, cache=cache, use_cache=True,
+                       cache_position=torch.tensor([width + t], device=mask.device)).logits[:, -1]  # fmt: skip
+    return out
 
 
 class HFRollout:
-    """Batched sampling with `model.generate` (left padding, n samples already repeated)."""
+    """Batched sampling with `decode` (left padding, n samples already repeated)."""
 
     def __init__(
         self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, micro_batch_size: int
@@ -106,6 +158,9 @@ class HFRollout:
         self.eos_token_id = eos_token_id
         self.micro_batch_size = micro_batch_size
         self.tokens_so_far, self.started = 0, None  # live progress of the current generate
+
+    def _count(self, tokens: int) -> None:
+        self.tokens_so_far += tokens
 
     def progress(self) -> dict[str, float] | None:
         """Response tokens sampled so far in the generate call running now, and its seconds."""
@@ -131,23 +186,9 @@ class HFRollout:
                 torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
                 prompt_ids = part["prompt_ids"].to(device)
                 prompt_mask = part["prompt_mask"].to(device)
-                out = self.model.generate(
-                    input_ids=prompt_ids,
-                    attention_mask=prompt_mask,
-                    cache=shared_prompt_cache(self.model, prompt_ids, prompt_mask),
-                    max_new_tokens=sampling.max_new_tokens,
-                    do_sample=not sampling.greedy,
-                    temperature=sampling.temperature if not sampling.greedy else None,
-                    top_p=sampling.top_p if not sampling.greedy else None,
-                    top_k=sampling.top_k if not sampling.greedy else None,
-                    pad_token_id=pad,
-                    eos_token_id=eos,
-                    use_cache=True,
-                    stopping_criteria=StoppingCriteriaList(
-                        [_CountTokens(self, len(prompt_ids[0]))]
-                    ),
-                )
-                chunks.append(out[:, prompt_ids.shape[1] :].cpu())
+                out = decode(self.model, prompt_ids, prompt_mask, sampling, eos, pad,
+                             on_step=self._count)  # fmt: skip
+                chunks.append(out.cpu())
         finally:
             self.started = None
             self.model.train(was_training)

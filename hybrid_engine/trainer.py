@@ -32,7 +32,7 @@ from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.models import load_tokenizer
 from hybrid_engine.rewards import RewardScorer, overlong_penalty, token_level_scores
 from hybrid_engine.rollout import SamplingParams
-from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
+from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
 
 
 @contextmanager
@@ -70,6 +70,8 @@ class Engine:
         self.cfg = cfg
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
+        if cfg.trainer.reuse_freed_memory:
+            reuse_freed_memory()
         self.tokenizer = load_tokenizer(cfg.model)
         self.data = PromptData(cfg.data)
         self.scorer = RewardScorer(

@@ -12,6 +12,7 @@ out. A role runs on one rank of its group: in-process (one rank) or inside a Ray
 from __future__ import annotations
 
 import copy
+import ctypes
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -50,13 +51,32 @@ from hybrid_engine.sharding import (
 )
 
 
+def reuse_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse: no mmap for large blocks, no trim.
+
+    By default every tensor above 32 MB is a fresh mmap, so each update page-faults its
+    activations and gradients back in: on SmolLM2-135M about 900k faults and 2-3 s of kernel
+    time per update. With this, steady-state updates fault almost nothing (bench/step.py);
+    the peak resident memory grows by a few percent. Returns False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 def make_optimizer(
     params: list[nn.Parameter], cfg: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with a linear warm-up over `cfg.warmup_steps` optimizer steps."""
+    """AdamW with a linear warm-up over `cfg.warmup_steps` optimizer steps.
+
+    The fused kernel: one pass per parameter instead of a dozen elementwise ops; on two CPU
+    cores a SmolLM2-135M step takes 0.11-0.18 s against 0.35-0.8 s (bench/step.py)."""
     opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        fused=True,
+    )  # fmt: skip
     warmup = cfg.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0

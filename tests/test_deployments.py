@@ -85,5 +85,9 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
     finally:
         if worker is not None:
             os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(30)
+            try:  # a worker's graceful shutdown once took over 30 s on a loaded machine
+                worker.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(30)
         stop(mlflow_proc)

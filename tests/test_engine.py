@@ -1,6 +1,9 @@
 """One-step behaviour of the engine on the tiny model (seconds each)."""
 
 import math
+import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -70,7 +73,11 @@ def test_same_seed_gives_bit_identical_weights():
 
 
 def test_micro_batching_does_not_change_the_update():
-    out = []
+    """Micro-batches of 2 or 8 rows: the same gradients (to float rounding), so the same
+    weights. Adam divides each gradient by its own running size, so an element whose gradient
+    is near 0 turns rounding into up to a fraction of a step: weights are compared to 1% of
+    one step (lr = 1e-3), the last mini-batch's gradients to float rounding."""
+    out, grads = [], []
     for micro in (2, 8):
         cfg = load_config(
             "configs/grpo_tiny.yaml",
@@ -78,8 +85,11 @@ def test_micro_batching_does_not_change_the_update():
         )
         engine, _ = train(cfg)
         out.append(state(engine))
+        grads.append({k: p.grad.clone() for k, p in engine.actor.policy.named_parameters()})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7, msg=k)
     for k in out[0]:
-        torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(out[0][k], out[1][k], rtol=0, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "remax"])
@@ -163,3 +173,28 @@ def test_rollout_shares_the_training_weights_at_one_rank(tokenizer):
     assert not set(separate.rollout_weights.data_ptrs()) & {
         p.data_ptr() for p in separate.policy.parameters()
     }
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_reuse_freed_memory_stops_page_faults_on_reallocation(reuse):
+    """An update's pattern: ~500 MB of 3-7 MB tensors and one 160 MB tensor, allocated and
+    freed six times. By default glibc returns the memory and every round faults all of it
+    back in; with `reuse_freed_memory` the rounds after the first reuse the pages."""
+    code = f"""
+import resource, torch
+from hybrid_engine.workers import reuse_freed_memory
+if {reuse}:
+    assert reuse_freed_memory()
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    xs = [torch.ones((k % 5 + 3) * 2**18) for k in range(100)]
+    big = torch.ones(40 * 2**20)
+    del xs, big
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[3:]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    faults = int(out.stdout.split()[-1])
+    pages = 3 * 660 * 2**20 // resource.getpagesize()  # the last three rounds' memory
+    assert (faults < pages // 20) if reuse else (faults > pages // 2), faults

@@ -60,10 +60,19 @@ def note_head():
         HEADS.add(json.loads(state.read_text())["temp_dir"])
 
 
-def assert_same_weights(a: dict, b: dict) -> None:
+def assert_same_weights(a: dict, b: dict, outliers_atol: float | None = None) -> None:
+    """Equal to 1e-6; with `outliers_atol`, at most 1 weight in 10,000 (over the whole model)
+    may differ by more, and by no more than `outliers_atol`."""
     assert a.keys() == b.keys()
+    outliers = 0
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+        if outliers_atol is None:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+            continue
+        diff = (a[k] - b[k]).abs()
+        assert float(diff.max()) <= outliers_atol, (k, float(diff.max()))
+        outliers += int((diff > 1e-6).sum())
+    assert outliers <= 1e-4 * sum(v.numel() for v in a.values()), outliers
 
 
 def test_two_fsdp_ranks_train_like_one_rank_and_like_the_local_loop():
@@ -202,7 +211,13 @@ def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop
     names = {w["name"]: w["roles"] for w in engine.pool.status()}
     assert names == {"actor-0": ["actor"], "actor-1": ["actor"], "critic-0": ["critic"],
                      "critic-1": ["critic"], "rm-0": ["rm"]}  # fmt: skip
-    assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict())
-    assert_same_weights(engine.critic.full_state_dict(), local.critic.model.state_dict())
+    # FSDP sums the ranks' gradients in another order than one process does. Adam divides each
+    # gradient by its own running size, so where a gradient is near 0 that rounding becomes a
+    # visible part of a step. Measured: 60 of the actor's 6.4M weights beyond 1e-6, the largest
+    # 3.7e-5 (one o_proj weight). The bound for those is 10% of one step (lr = 1e-3); a real
+    # divergence (a wrong gradient scale, a missed rank) moves most weights by about a step.
+    step = 1e-3
+    assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), step / 10)
+    assert_same_weights(engine.critic.full_state_dict(), local.critic.model.state_dict(), step / 10)
     assert all(torch.isfinite(torch.tensor(h["critic/vf_loss"])) for h in hist)
     engine.pool.down(stop_head=False)

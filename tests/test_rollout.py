@@ -4,7 +4,14 @@ import torch
 from hybrid_engine.config import ModelConfig
 from hybrid_engine.data import prompt_batch
 from hybrid_engine.models import load_policy
-from hybrid_engine.rollout import HFRollout, SamplingParams, response_mask_from_ids
+from hybrid_engine.rollout import (
+    HFRollout,
+    SamplingParams,
+    decode,
+    logits_warpers,
+    response_mask_from_ids,
+    sample_tokens,
+)
 
 
 def test_response_mask_keeps_first_eos_and_drops_the_rest():
@@ -65,27 +72,39 @@ def test_greedy_is_deterministic_and_stops_at_eos(setup, tokenizer):
     assert torch.equal(out["response_ids"][r, : k + 1], free["response_ids"][r, : k + 1])
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-def test_shared_prompt_prefill_generates_what_the_full_prefill_does(setup, tokenizer, greedy):
-    """Each prompt's keys/values computed once and copied to its 4 samples: the same logits
-    at every step (to float error) and, greedy, the same tokens as `generate` alone."""
-    from hybrid_engine.rollout import shared_prompt_cache
-
+@pytest.mark.parametrize("n", [1, 4])
+def test_decode_greedy_gives_the_tokens_of_generate(setup, tokenizer, n):
+    """Static cache, and with n > 1 each prompt prefilled once for its n samples: greedy
+    decoding gives exactly `generate`'s tokens (pad after EOS, stopping when all rows ended)."""
     model, prompts = setup
-    batch = prompts.repeat_interleave(4)  # left-padded prompts of different lengths
+    batch = prompts.repeat_interleave(n)  # left-padded prompts of different lengths
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=not greedy, top_k=None,
-              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-              output_scores=True, return_dict_in_generate=True)  # fmt: skip
-    outs = []
-    for cache in (None, shared_prompt_cache(model, ids, mask)):
-        torch.manual_seed(5)
-        with torch.no_grad():
-            outs.append(model.generate(input_ids=ids, cache=cache, **kw))
-    full, shared = outs
-    distinct = prompts["prompt_ids"], prompts["prompt_mask"]
-    assert shared_prompt_cache(model, *distinct) is None  # nothing to share
-    first = torch.stack(full.scores[:1]), torch.stack(shared.scores[:1])
-    assert torch.allclose(*first, atol=1e-4), (first[0] - first[1]).abs().max()
-    if greedy:
-        assert torch.equal(full.sequences, shared.sequences)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    with torch.no_grad():
+        full = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                              do_sample=False, pad_token_id=pad, eos_token_id=eos)  # fmt: skip
+    counted = []
+    ours = decode(model, ids, mask, SamplingParams(10, 0.0), eos, pad, on_step=counted.append)
+    assert torch.equal(ours, full[:, ids.shape[1] :])
+    assert sum(counted) == int(response_mask_from_ids(ours, eos).sum())
+    # declare row 0's latest first-seen token the EOS: row 0 ends there, padded after it
+    row0 = ours[0].tolist()
+    k = max(i for i in range(len(row0)) if row0[i] not in row0[:i])
+    stopped = decode(model, ids, mask, SamplingParams(10, 0.0), row0[k], pad)
+    assert stopped[0, : k + 1].tolist() == row0[: k + 1] and (stopped[0, k + 1 :] == pad).all()
+
+
+def test_sample_tokens_draws_from_softmax_and_never_a_cut_token():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05, 0.0]])).expand(40_000, 6)
+    torch.manual_seed(0)
+    drawn = sample_tokens(logits, greedy=False)
+    freq = torch.bincount(drawn, minlength=6).double() / len(drawn)
+    expected = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0], dtype=torch.double)
+    assert (freq - expected).abs().max() < 0.01, freq  # ~4 standard errors at most
+    assert freq[5] == 0
+    warp = logits_warpers(SamplingParams(4, temperature=1.0, top_k=2))
+    cut = sample_tokens(warp(None, logits.clone()), greedy=False)
+    assert set(cut.tolist()) == {0, 1}
+    frac = float((cut == 0).double().mean())
+    assert abs(frac - 0.5 / 0.7) < 0.01, frac
+    assert sample_tokens(logits[:3], greedy=True).tolist() == [0, 0, 0]
