@@ -39,6 +39,9 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
         metrics = {s: engine.step(s) for s in range(1, steps + 1)}
         walls = {s: m["timing_s/step"] for s, m in metrics.items()}
         return {"step_s": walls, "metrics": metrics, "total_s": time.perf_counter() - began}
+    from hybrid_engine.workers import reuse_freed_memory
+
+    reuse_freed_memory()  # as `hybridrl train` does before Prefect starts its threads
     from flows.train import train
 
     root = tempfile.mkdtemp(prefix="hybridrl-bench-")

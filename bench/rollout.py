@@ -68,7 +68,7 @@ def main() -> None:
             seq = model.generate(
                 input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
                 max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0,
-                top_k=None, top_p=None, pad_token_id=tok.pad_token_id,
+                top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
             )  # fmt: skip
         secs = time.perf_counter() - start

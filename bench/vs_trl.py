@@ -65,6 +65,9 @@ def emit(record: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- children
 def child_hybridrl(steps: int, threads: int, backend: str) -> None:
     """`steps` steps of the `train` flow; per step: flow wall seconds and the engine's timings."""
+    from hybrid_engine.workers import reuse_freed_memory
+
+    reuse_freed_memory()  # as `hybridrl train` does before Prefect starts its threads
     from flows.train import train
 
     root = tempfile.mkdtemp(prefix="vs-trl-")

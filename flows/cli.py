@@ -54,11 +54,17 @@ class _NoTraceback(logging.Filter):
 def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resume: bool,
               debug: bool) -> None:  # fmt: skip
     try:
+        from hybrid_engine.config import load_config
+
+        # a resume's stored config is read once Prefect runs: there only the overrides count
+        cfg = load_config(config if not resume else None, overrides)
+        if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
+            from hybrid_engine.workers import reuse_freed_memory
+
+            reuse_freed_memory()
         if not resume:  # bad input fails here, in a second, before Prefect starts
-            from hybrid_engine.config import load_config
             from storage.store import new_run_id, validate_run_id
 
-            cfg = load_config(config, overrides)
             if cfg.reward.function:  # a typo here would otherwise surface after Prefect starts
                 from hybrid_engine.rewards import load_function
 

@@ -69,7 +69,12 @@ def train(
         store.write_run({"run_id": store.run_id, "config": cfg.model_dump(mode="json"),
                          "code_version": code_version(), "created_at": time.time()})  # fmt: skip
     start, how = restore(engine, store)
-    logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
+    if start > t.total_training_steps:
+        logger.info("run %s in %s: %d steps done (%s), trainer.total_training_steps is %d: "
+                    "nothing to train; a larger trainer.total_training_steps continues it",
+                    store.run_id, store.url, start - 1, how, t.total_training_steps)  # fmt: skip
+    else:
+        logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
     emit("run_started", run_id=store.run_id, start=start, total=t.total_training_steps)
     track = StepLog(cfg, store)
     opts = task_options(cfg)

@@ -147,7 +147,7 @@ class ActorConfig(Section):
     pack_prompts: bool = Field(
         True,
         description="log-probs without padding, each prompt computed once for its rollout.n "
-        "samples (one packed sequence per micro-batch, block attention mask)",
+        "samples (one packed row per prompt group, block attention mask)",
     )
 
 
@@ -158,14 +158,16 @@ class ValSamplingConfig(Section):
 
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field(
-        "hf", description="rollout backend: transformers' generate, or vLLM (GPU, [vllm] extra)"
+        "hf",
+        description="rollout backend: a decoding loop on the transformers model (StaticCache), "
+        "or vLLM (GPU, [vllm] extra)",
     )
     n: int = Field(4, gt=0, description="samples per prompt")
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 = off")
     top_k: int = Field(0, ge=0, description="0 = off")
     max_new_tokens: int = Field(32, gt=0, description="longest response in tokens")
-    micro_batch_size: int = Field(64, gt=0, description="sequences per generate call")
+    micro_batch_size: int = Field(64, gt=0, description="sequences decoded together")
     val: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
 
 
@@ -267,7 +269,7 @@ class TrainerConfig(Section):
     reuse_freed_memory: bool = Field(
         True,
         description="backend local: keep freed memory in the process (glibc: no mmap, no "
-        "trim) instead of returning it to the OS and faulting it back in at every update "
+        "trim, one arena) instead of returning it to the OS and faulting it back in at every update "
         "(SmolLM2 demo: update 9-10 -> 7 s, peak RSS 3.7 -> 4.2 GB). Pool workers follow "
         "ray.worker_env instead",
     )

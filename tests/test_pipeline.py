@@ -162,6 +162,12 @@ def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefe
     assert "loaded checkpoint step_2" in logs[-1] and "replaying 1 committed update" in logs[-1]
     assert f"{bad}: sha256 differs from the committed one" in logs[-1]
     assert "(from storage: rollout, reward, advantage)" in logs[-1]
+    # a resume asking for fewer steps than are done says so, trains nothing, changes nothing
+    rc, out = driver(["resume", "chain", "trainer.total_training_steps=2",
+                      f"storage.root={tmp_path}"], prefect_api)  # fmt: skip
+    assert rc == 0, out
+    assert "4 steps done" in out and "nothing to train" in out and "step-3/" not in out
+    assert_same_run(final_state(fs_for(str(tmp_path), None), f"{tmp_path}/chain"), reference)
 
 
 def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, reference):
