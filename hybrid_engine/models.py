@@ -315,7 +315,10 @@ def packed_response_log_probs(
     length = max(sum(len(t) for t in g) for g in ids)
 
     def packed(pieces: list[list[torch.Tensor]], pad: int) -> torch.Tensor:
-        return torch.stack([pad_1d(torch.cat(g), length, pad) for g in pieces])
+        rows = [torch.cat(g) for g in pieces]
+        return torch.stack(
+            [torch.nn.functional.pad(t, (0, length - len(t)), value=pad) for t in rows]
+        )
 
     ids_t, pos_t, row = packed(ids, 0), packed(pos, 0), packed(owner, -2)  # -2: padding
     # a token sees the earlier tokens of its packed row that are the prompt or its own response
@@ -334,11 +337,6 @@ def packed_response_log_probs(
     logp = torch.zeros(rows, response_len, dtype=lp.dtype, device=device).masked_scatter(r_mask, lp)
     entropy = None if ent is None else torch.zeros_like(logp).masked_scatter(r_mask, ent)
     return logp, entropy
-
-
-def pad_1d(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    """`t` right-padded with `value` to `length`."""
-    return torch.nn.functional.pad(t, (0, length - len(t)), value=value)
 
 
 if __name__ == "__main__":  # `python -m hybrid_engine.models`: convert and cache SmolLM2 now
