@@ -43,22 +43,22 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
 
     reuse_freed_memory()  # as `hybridrl train` does before Prefect starts its threads
     from flows.train import train
-
-    root = tempfile.mkdtemp(prefix="hybridrl-bench-")
-    extra = [f"storage.root={root}", f"tracking.uri=sqlite:///{root}/mlflow.db"]
-    if variant == "flow-ray":
-        extra += ["trainer.backend=ray", f"ray.pool_name=bench-{os.getpid()}"]
-    result = train(config=config, overrides=common + extra, run_id="bench")
-    total = time.perf_counter() - began
-    if variant == "flow-ray":
-        from hybrid_engine.pool import down
-
-        down(f"bench-{os.getpid()}")
     from hybrid_engine.config import StorageConfig
     from storage.final import history
     from storage.store import RunStore
 
-    rows = history(RunStore(StorageConfig(root=root), "bench"), steps)
+    # each run writes ~2 GB of checkpoints: the folder goes whatever happens
+    with tempfile.TemporaryDirectory(prefix="hybridrl-bench-") as root:
+        extra = [f"storage.root={root}", f"tracking.uri=sqlite:///{root}/mlflow.db"]
+        if variant == "flow-ray":
+            extra += ["trainer.backend=ray", f"ray.pool_name=bench-{os.getpid()}"]
+        result = train(config=config, overrides=common + extra, run_id="bench")
+        total = time.perf_counter() - began
+        if variant == "flow-ray":
+            from hybrid_engine.pool import down
+
+            down(f"bench-{os.getpid()}")
+        rows = history(RunStore(StorageConfig(root=root), "bench"), steps)
     metrics = {r["step"]: r for r in rows if r["step"] > 0}
     walls = {int(k): v for k, v in result["step_wall_s"].items()}
     return {"step_s": walls, "metrics": metrics, "total_s": total}

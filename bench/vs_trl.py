@@ -34,6 +34,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,12 +71,13 @@ def child_hybridrl(steps: int, threads: int, backend: str) -> None:
     reuse_freed_memory()  # as `hybridrl train` does before Prefect starts its threads
     from flows.train import train
 
-    root = tempfile.mkdtemp(prefix="vs-trl-")
-    overrides = [*OURS, f"trainer.total_training_steps={steps}", f"trainer.num_threads={threads}",
-                 f"trainer.backend={backend}", f"storage.root={root}", "ray.pool_name=vs-trl",
-                 "trainer.save_freq=0"]  # fmt: skip
-    result = train(config=str(ROOT / "configs/demo_cpu.yaml"), overrides=overrides, run_id="b")
-    summary = json.loads((Path(root) / "b/final/summary.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as root:  # ~2 GB of weights: removed
+        overrides = [*OURS, f"trainer.total_training_steps={steps}",
+                     f"trainer.num_threads={threads}", f"trainer.backend={backend}",
+                     f"storage.root={root}", "ray.pool_name=vs-trl", "trainer.save_freq=0"]  # fmt: skip
+        result = train(config=str(ROOT / "configs/demo_cpu.yaml"), overrides=overrides,
+                       run_id="b")  # fmt: skip
+        summary = json.loads((Path(root) / "b/final/summary.json").read_text())
     hist = {h["step"]: h for h in summary["history"] if h["step"] > 0}
     for step, wall in sorted(result["step_wall_s"].items()):
         m = hist[int(step)]
@@ -136,8 +138,9 @@ def child_trl(steps: int, threads: int) -> None:
         def on_step_end(self, args, state, *_, **__):  # noqa: ANN001, ANN002, ANN003, ANN202
             emit({"step": state.global_step, "step_s": time.perf_counter() - self.start, **timing})
 
+    out_dir = tempfile.mkdtemp(prefix="vs-trl-trl-")  # save_strategy="no": logs only, removed
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="vs-trl-trl-"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False,
         per_device_train_batch_size=PROMPTS * SAMPLES, steps_per_generation=1,
         num_generations=SAMPLES, num_iterations=1, beta=0.0, gradient_checkpointing=False,
         max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
@@ -148,7 +151,10 @@ def child_trl(steps: int, threads: int) -> None:
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Steps()])  # fmt: skip
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def child_generate(threads: int, repeats: int = 3) -> None:
