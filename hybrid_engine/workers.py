@@ -252,7 +252,8 @@ class ActorRolloutRef:
                 a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
             )  # fmt: skip
             entropy = agg_loss(ent, mask, a.loss_agg_mode)
-            loss = pg - a.entropy_coeff * entropy
+            # with no bonus the entropy is a metric only: left out of the graph, no backward
+            loss = pg - a.entropy_coeff * entropy if a.entropy_coeff else pg
             stats = {"actor/pg_loss": pg, "actor/pg_clipfrac": clipfrac,
                      "actor/pg_clipfrac_lower": clip_lower, "actor/ppo_kl": ppo_kl,
                      "actor/entropy": entropy}  # fmt: skip

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/servers.py, tests/reward_fns.py
+sys.path.insert(0, str(Path(__file__).parent))  # tests/servers.py, reward_fns.py, weights.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

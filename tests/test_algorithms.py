@@ -20,7 +20,6 @@ from hybrid_engine.algorithms.losses import (
     FixedKLController,
     agg_loss,
     apply_kl_penalty,
-    entropy_from_logits,
     kl_penalty,
     policy_loss,
     value_loss,
@@ -280,27 +279,6 @@ def test_kl_penalty_kinds_and_clamping():
     close(kl_penalty(logp, ref, "low_var_kl"), expected_k3)
     with pytest.raises(ValueError, match="k9"):
         kl_penalty(logp, ref, "k9")
-
-
-def test_entropy_matches_direct_formula_and_uniform():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 7, generator=g) * 3
-    p = torch.softmax(logits, dim=-1)
-    direct = -(p * torch.log(p)).sum(-1)
-    torch.testing.assert_close(entropy_from_logits(logits), direct, atol=1e-5, rtol=0)
-    # a non-contiguous slice (like logits[:, :-1]) takes the per-row path
-    torch.testing.assert_close(
-        entropy_from_logits(logits[:, :-1]), direct[:, :-1], atol=1e-5, rtol=0
-    )
-    close(entropy_from_logits(torch.zeros(3, 11)), [math.log(11)] * 3)
-    # large logits do not overflow; a peaked distribution has ~0 entropy
-    close(entropy_from_logits(T([[50.0, 50.0], [50.0, -50.0]])), [math.log(2), 0.0])
-
-
-def test_entropy_is_differentiable():
-    logits = torch.zeros(1, 4, requires_grad=True)
-    entropy_from_logits(logits).sum().backward()
-    close(logits.grad, [[0.0] * 4])  # uniform is the maximum
 
 
 def test_kl_controllers():

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from weights import assert_same_weights
 
 from hybrid_engine.config import load_config
 from hybrid_engine.trainer import Engine, train
@@ -75,8 +76,9 @@ def test_same_seed_gives_bit_identical_weights():
 def test_micro_batching_does_not_change_the_update():
     """Micro-batches of 2 or 8 rows: the same gradients (to float rounding), so the same
     weights. Adam divides each gradient by its own running size, so an element whose gradient
-    is near 0 turns rounding into up to a fraction of a step: weights are compared to 1% of
-    one step (lr = 1e-3), the last mini-batch's gradients to float rounding."""
+    is near 0 turns rounding into up to a fraction of a step: the gradients are compared to
+    float rounding, the weights to 1e-6 but for at most 1 in 10,000, which may differ by up to
+    a tenth of one step (lr = 1e-3)."""
     out, grads = [], []
     for micro in (2, 8):
         cfg = load_config(
@@ -88,8 +90,7 @@ def test_micro_batching_does_not_change_the_update():
         grads.append({k: p.grad.clone() for k, p in engine.actor.policy.named_parameters()})
     for k in grads[0]:
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7, msg=k)
-    for k in out[0]:
-        torch.testing.assert_close(out[0][k], out[1][k], rtol=0, atol=1e-5, msg=k)
+    assert_same_weights(out[0], out[1], outliers_atol=1e-4)
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus", "remax"])

@@ -1,8 +1,11 @@
+import math
+
 import pytest
 import torch
 
 from hybrid_engine.config import ModelConfig
 from hybrid_engine.models import (
+    head_log_probs,
     load_critic,
     load_policy,
     position_ids_from_mask,
@@ -46,3 +49,54 @@ def test_response_log_probs_match_a_full_forward(tokenizer):
     p = full.logits[:, -5:-1].softmax(-1)
     torch.testing.assert_close(ent, -(p * p.log()).sum(-1), rtol=1e-4, atol=1e-4)
     assert torch.equal(position_ids_from_mask(mask)[0, 3:], torch.arange(6))
+
+
+def reference_log_probs(head, hidden, targets, temperature):
+    """log_softmax and entropy by plain autograd: what `head_log_probs` must equal."""
+    z = head(hidden) / temperature
+    logp_all = z.log_softmax(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("terms", [("logp", "entropy"), ("logp",), ("entropy",)])
+def test_head_log_probs_values_and_gradients_equal_autograd(terms):
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 300)  # with a bias; 70 rows span three chunks of 32
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 16, generator=g))
+    hidden = torch.randn(70, 16, generator=g)
+    targets = torch.randint(0, 300, (70,), generator=g)
+    weights = {"logp": torch.randn(70, generator=g), "entropy": torch.randn(70, generator=g)}
+    results = []
+    for fused in (False, True):
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        if fused:
+            logp, ent = head_log_probs(head, h, targets, 0.7, with_entropy=True)
+        else:
+            logp, ent = reference_log_probs(head, h, targets, 0.7)
+        out = {"logp": logp, "entropy": ent}
+        # a term left out is outside the graph: the fused backward gets None for it
+        sum((weights[t] * out[t]).sum() for t in terms).backward()
+        results.append([logp.detach(), ent.detach(), h.grad, head.weight.grad, head.bias.grad])
+    names = ["logp", "entropy", "d/dh", "d/dW", "d/db"]
+    for name, want, got in zip(names, *results, strict=True):
+        torch.testing.assert_close(
+            got, want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    # the entropy of uniform logits is log(vocab), its maximum
+    assert float(results[1][1].max()) <= math.log(300) + 1e-5
+    zero = torch.nn.Linear(16, 300, bias=False)
+    torch.nn.init.zeros_(zero.weight)
+    _, uniform = head_log_probs(zero, hidden[:3], targets[:3], with_entropy=True)
+    torch.testing.assert_close(uniform, torch.full((3,), math.log(300)))
+
+
+def test_head_log_probs_cannot_backward_twice():
+    """The backward writes dL/dz over the saved logits: a second pass must fail, not lie."""
+    head = torch.nn.Linear(4, 10)
+    logp, _ = head_log_probs(head, torch.randn(5, 4), torch.zeros(5, dtype=torch.long))
+    logp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logp.sum().backward()

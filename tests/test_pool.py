@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from weights import assert_same_weights
 
 from hybrid_engine.config import load_config
 from hybrid_engine.trainer import Engine, train
@@ -58,21 +59,6 @@ def note_head():
     state = pool.state_dir() / "head.json"
     if state.is_file():
         HEADS.add(json.loads(state.read_text())["temp_dir"])
-
-
-def assert_same_weights(a: dict, b: dict, outliers_atol: float | None = None) -> None:
-    """Equal to 1e-6; with `outliers_atol`, at most 1 weight in 10,000 (over the whole model)
-    may differ by more, and by no more than `outliers_atol`."""
-    assert a.keys() == b.keys()
-    outliers = 0
-    for k in a:
-        if outliers_atol is None:
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
-            continue
-        diff = (a[k] - b[k]).abs()
-        assert float(diff.max()) <= outliers_atol, (k, float(diff.max()))
-        outliers += int((diff > 1e-6).sum())
-    assert outliers <= 1e-4 * sum(v.numel() for v in a.values()), outliers
 
 
 def test_two_fsdp_ranks_train_like_one_rank_and_like_the_local_loop():

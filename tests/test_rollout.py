@@ -7,6 +7,7 @@ from hybrid_engine.models import load_policy
 from hybrid_engine.rollout import (
     HFRollout,
     SamplingParams,
+    _invert,
     decode,
     logits_warpers,
     response_mask_from_ids,
@@ -108,3 +109,26 @@ def test_sample_tokens_draws_from_softmax_and_never_a_cut_token():
     frac = float((cut == 0).double().mean())
     assert abs(frac - 0.5 / 0.7) < 0.01, frac
     assert sample_tokens(logits[:3], greedy=True).tolist() == [0, 0, 0]
+
+
+def test_sample_tokens_across_cdf_blocks():
+    """A vocabulary of 700 (not a multiple of the 256-entry blocks) with its mass in three
+    blocks: frequencies follow softmax, and tokens of probability 0 are never drawn."""
+    probs = torch.zeros(700, dtype=torch.double)
+    probs[5], probs[300], probs[650] = 0.3, 0.3, 0.2
+    probs[100:200] = 0.2 / 100
+    logits = probs.float().log().expand(40_000, 700)
+    torch.manual_seed(1)
+    freq = torch.bincount(sample_tokens(logits, greedy=False), minlength=700).double() / 40_000
+    for token in (5, 300, 650):
+        assert abs(freq[token] - probs[token]) < 0.01, (token, freq[token])
+    assert abs(freq[100:200].sum() - 0.2) < 0.01
+    assert freq[probs == 0].sum() == 0
+
+
+def test_inverting_a_cdf_never_lands_past_its_last_increment():
+    """A draw that rounding puts at the CDF's total takes the last entry that adds
+    probability, not a zero-probability entry after it."""
+    cdf = torch.tensor([[0.1, 0.5, 0.5, 0.5], [0.2, 0.4, 0.7, 1.0]], dtype=torch.double)
+    u = torch.tensor([[0.5], [0.3]], dtype=torch.double)
+    assert _invert(cdf, u).tolist() == [1, 1]

@@ -1,4 +1,6 @@
-"""Policy-gradient losses, value loss, KL penalties and entropy on (batch, response_len) tensors.
+"""Policy-gradient losses, value loss and KL penalties on (batch, response_len) tensors.
+
+(Log-probs and entropy come from the LM head: `hybrid_engine.models.head_log_probs`.)
 
 Losses keep their autograd graph; diagnostics (clip fractions, KL) are detached.
 """
@@ -15,7 +17,6 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
-    "entropy_from_logits",
     "kl_penalty",
     "policy_loss",
     "value_loss",
@@ -130,31 +131,6 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         d = (-diff).clamp(-20.0, 20.0)
         return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
     raise ValueError(f"unknown kl penalty {kind!r}; known: k1, kl, abs, k2, mse, k3, low_var_kl")
-
-
-def _rowwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum_v a[..., v] b[..., v] without a (..., V) temporary.
-
-    ``einsum`` lowers this to a batched matmul over the flattened leading dims; when they cannot
-    be flattened as a view (e.g. ``logits[:, :-1]``) it would copy, so loop over dim 0 instead.
-    """
-    if b.dim() <= 2 or b.is_contiguous():
-        return torch.einsum("...v,...v->...", a, b)
-    return torch.stack([_rowwise_dot(x, y) for x, y in zip(a, b, strict=True)])
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(z) over the last dim:  H = logsumexp(z) - sum_v softmax(z)_v z_v.
-
-    Memory: the softmax is the one vocab-sized tensor kept alive (``logsumexp`` runs first and
-    frees its temporary). ``(p * z).sum(-1)`` would materialise a second one, so the dot product
-    is an ``einsum`` contraction (batched matmul) instead; see ``_rowwise_dot``.
-    Precision: the subtraction cancels, so the absolute error grows with |z| (~1e-5 at |z| ~ 100
-    in float32).
-    """
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.softmax(logits, dim=-1)
-    return lse - _rowwise_dot(probs, logits)
 
 
 class FixedKLController:
