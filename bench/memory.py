@@ -1,6 +1,7 @@
 """Peak memory per worker: hybrid layout vs a separate rollout copy; and resharding cost.
 
     python bench/memory.py [--model smollm2-135m-instruct] [--steps 2] [--ranks 1 2]
+                           [--layouts hybrid,separate] [overrides...]
 
 For each rank count and layout, a fresh pool (new worker processes, so peak RSS starts
 clean) runs the same GRPO steps (same batch), then every worker's peak RSS is read.
@@ -25,14 +26,14 @@ from hybrid_engine.pool import stop_local_head  # noqa: E402
 from hybrid_engine.trainer import Engine  # noqa: E402
 
 
-def run(model: str, ranks: int, separate: bool, steps: int) -> dict:
+def run(model: str, ranks: int, separate: bool, steps: int, overrides: list[str]) -> dict:
     cfg = load_config(
         "configs/demo_cpu.yaml",
         [f"model.path={model}", "trainer.backend=ray", f"ray.pool_name=bench-mem-{ranks}",
          f"actor.layout.dp={ranks}", f"actor.layout.rollout.separate_copy={separate}",
          "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=16",
          "actor.ppo_micro_batch_size=4", "rollout.micro_batch_size=8",
-         "trainer.num_threads=1"],
+         "trainer.num_threads=1", *overrides],
     )  # fmt: skip
     engine = Engine(cfg)
     history = [engine.step(s) for s in range(1, steps + 1)]
@@ -52,13 +53,15 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--layouts", default="hybrid,separate")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. ray.worker_env={...}")
     args = ap.parse_args()
     rows = []
     try:
         for ranks in args.ranks:
-            for separate in (False, True):
-                r = run(args.model, ranks, separate, args.steps)
-                layout = "separate copy" if separate else "hybrid"
+            for layout in args.layouts.split(","):
+                separate = {"hybrid": False, "separate": True}[layout]
+                r = run(args.model, ranks, separate, args.steps, args.overrides)
                 rows.append((ranks, layout, r))
                 print(
                     f"ranks={ranks} {layout:13s} peak RSS/worker GB: "

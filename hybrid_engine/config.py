@@ -268,10 +268,11 @@ class TrainerConfig(Section):
     num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
     reuse_freed_memory: bool = Field(
         True,
-        description="backend local: keep freed memory in the process (glibc: no mmap, no "
-        "trim, one arena) instead of returning it to the OS and faulting it back in at every update "
-        "(SmolLM2 demo: update 9-10 -> 7 s, peak RSS 3.7 -> 4.2 GB). Pool workers follow "
-        "ray.worker_env instead",
+        description="keep freed memory in the process (glibc: no mmap, no trim, one arena) "
+        "instead of returning it to the OS and faulting it back in at every update (SmolLM2 "
+        "demo: update 9-10 -> 7 s, peak RSS 3.7 -> 4.2 GB). Local backend: this process; pool: "
+        "the workers of single-rank groups, by their environment (MALLOC_* variables, before "
+        "ray.worker_env's); FSDP ranks follow ray.worker_env alone",
     )
 
     @model_validator(mode="before")

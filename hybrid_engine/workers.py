@@ -73,6 +73,15 @@ def reuse_freed_memory() -> bool:
     )
 
 
+# `reuse_freed_memory` as environment variables, which glibc reads when a process starts: how
+# a pool worker of a single-rank group gets it (`pool.Pool.create`).
+REUSE_FREED_MEMORY_ENV = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+    "MALLOC_ARENA_MAX": "1",
+}
+
+
 def make_optimizer(
     params: list[nn.Parameter], cfg: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:

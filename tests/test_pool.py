@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -78,6 +79,11 @@ def test_two_fsdp_ranks_train_like_one_rank_and_like_the_local_loop():
             assert hist[-1][key] == local_hist[-1][key], key
         info = engine.pool.status()
         assert [w["name"] for w in info] == [f"actor-{r}" for r in range(dp)]
+        # a single rank keeps freed memory like the local backend; FSDP ranks do not
+        for w in info:
+            environ = Path(f"/proc/{w['pid']}/environ").read_bytes().split(b"\0")
+            assert (b"MALLOC_MMAP_MAX_=0" in environ) == (dp == 1), (dp, w["name"])
+            assert b"MALLOC_MMAP_THRESHOLD_=4194304" in environ  # ray.worker_env's default
         assert all(w["weights_version"] == 2 and w["healthy"] for w in info)
         total = sum(p.numel() for p in expected.values()) - expected["lm_head.weight"].numel()
         assert sum(w["actor"]["local_params"] for w in info) == total  # shards, no overlap

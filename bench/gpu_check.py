@@ -1,0 +1,281 @@
+"""GPU check of the `hf` engine path: decode, the fused LM-head log-probs, packing, and the
+actor worker (generate + PPO update) on CUDA, with its speed at two batch shapes.
+
+    python bench/gpu_check.py --assets DIR [--json FILE] [--cpu]
+
+DIR holds SmolLM2-135M-Instruct's tokenizer files and config.json, no weights: equalities run
+on a tiny random Llama, speed on random weights of SmolLM2's shape (the same matmuls as the
+real model; the tokens it samples are noise). The actor is the class a pool rank hosts
+(`ActorRolloutRef`), built from a config whose `ray.num_gpus_per_rank` puts it on CUDA; Ray
+itself is not needed. `--cpu` runs the same code on the CPU at small shapes (a dry run of
+the script). Exit 0: every check passed; 1: a check failed; 2: no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # runnable as `python bench/gpu_check.py` from the repo root
+    sys.path.insert(0, str(ROOT))
+
+SYSTEM = "Answer with a number."
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def arithmetic_rows(count: int) -> list[dict]:
+    """Fixed addition questions in the engine's row format (prompt, data_source, ...)."""
+    rows = []
+    for i in range(count):
+        a, b = 3 + 7 * i % 50, 11 + 13 * i % 40
+        rows.append({
+            "prompt": [{"role": "system", "content": SYSTEM},
+                       {"role": "user", "content": f"What is {a} + {b}?"}],
+            "data_source": "gpu_check", "reward_model": {"ground_truth": str(a + b)},
+            "extra_info": {},
+        })  # fmt: skip
+    return rows
+
+
+def prepare_smollm2_shape(assets: Path) -> Path:
+    """$HYBRIDRL_CACHE/models/smollm2-135m-instruct with random weights of SmolLM2's shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cache = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    os.environ["HYBRIDRL_CACHE"] = str(cache)
+    target = cache / "models" / "smollm2-135m-instruct"
+    shutil.copytree(assets, target)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(target)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(target)
+    return target
+
+
+def check_equalities(tokenizer) -> dict:  # noqa: ANN001
+    """decode = generate (greedy), fused head = autograd, packed = padded, all on CUDA."""
+    from hybrid_engine.config import ModelConfig
+    from hybrid_engine.data import prompt_batch
+    from hybrid_engine.models import (
+        head_log_probs,
+        load_policy,
+        packed_response_log_probs,
+        response_log_probs,
+    )
+    from hybrid_engine.rollout import SamplingParams, decode
+
+    out: dict = {}
+    model = load_policy(ModelConfig(path="tiny"), tokenizer, seed=0).to(DEVICE)
+    batch = prompt_batch(arithmetic_rows(3), tokenizer, 256).repeat_interleave(4)
+    ids, mask = batch["prompt_ids"].to(DEVICE), batch["prompt_mask"].to(DEVICE)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ours = decode(model, ids, mask, SamplingParams(12, temperature=0.0), eos, pad)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         pad_token_id=pad)[:, ids.shape[1]:]  # fmt: skip
+    ref = torch.nn.functional.pad(ref, (0, 12 - ref.shape[1]), value=pad)
+    ours = torch.nn.functional.pad(ours, (0, 12 - ours.shape[1]), value=pad)
+    out["decode_greedy_equals_generate"] = bool(torch.equal(ours, ref))
+
+    torch.manual_seed(0)
+    sampled = decode(model, ids, mask, SamplingParams(12, temperature=1.0), eos, pad)
+    out["decode_sampled_tokens_in_vocab"] = bool(
+        (sampled >= 0).all() and (sampled < model.config.vocab_size).all()
+    )
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    head = torch.nn.Linear(64, 5000, device=DEVICE)
+    hidden = torch.randn(100, 64, device=DEVICE, generator=g)
+    targets = torch.randint(0, 5000, (100,), device=DEVICE, generator=g)
+    grads = []
+    for fused in (False, True):
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        if fused:
+            logp, ent = head_log_probs(head, h, targets, 0.7, with_entropy=True)
+        else:
+            logp_all = (head(h) / 0.7).log_softmax(-1)
+            logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        grads.append([logp.detach(), ent.detach(), h.grad, head.weight.grad, head.bias.grad])
+    out["head_log_probs_max_abs_diff"] = max(
+        float((a - b).abs().max()) for a, b in zip(*grads, strict=True)
+    )
+
+    seq = torch.cat([ids, sampled], 1)
+    seq_mask = torch.cat([mask, (sampled != pad).long()], 1)
+    results = []
+    for fn in (response_log_probs, packed_response_log_probs):
+        model.zero_grad()
+        logp, _ = fn(model.train(), seq, seq_mask, sampled.shape[1], 1.0)
+        (logp * (sampled != pad)).sum().backward()
+        results.append((logp * (sampled != pad), [p.grad.clone() for p in model.parameters()]))
+    model.eval()
+    (la, ga), (lb, gb) = results
+    out["packed_vs_padded_logp_max_abs_diff"] = float((la - lb).abs().max().detach())
+    out["packed_vs_padded_grad_max_abs_diff"] = max(
+        float((a - b).abs().max()) for a, b in zip(ga, gb, strict=True)
+    )
+    return out
+
+
+def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int) -> dict:  # noqa: ANN001
+    """Build the actor on CUDA, then per round: generate, score, GRPO advantages, update."""
+    from hybrid_engine.algorithms.advantages import compute_advantage
+    from hybrid_engine.config import load_config
+    from hybrid_engine.data import prompt_batch
+    from hybrid_engine.rollout import SamplingParams
+    from hybrid_engine.workers import ActorRolloutRef
+
+    rows = prompts * n
+    cfg = load_config(str(ROOT / "configs/demo_cpu.yaml"), [
+        f"model.dtype={dtype}", "trainer.backend=ray",
+        f"ray.num_gpus_per_rank={int(DEVICE == 'cuda')}",
+        f"data.train_batch_size={prompts}", f"rollout.n={n}",
+        f"rollout.max_new_tokens={new_tokens}", f"rollout.micro_batch_size={rows}",
+        f"actor.ppo_mini_batch_size={rows}", f"actor.ppo_micro_batch_size={min(rows, 64)}",
+        f"actor.log_prob_micro_batch_size={min(rows, 64)}",
+    ])  # fmt: skip
+    assert cfg.device == DEVICE
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    actor = ActorRolloutRef(cfg, tokenizer)
+    batch = prompt_batch(arithmetic_rows(prompts), tokenizer, 512).repeat_interleave(n)
+    uid = torch.arange(prompts).repeat_interleave(n).tolist()
+    before = [p.detach().clone() for p in actor.policy.parameters()]
+    timings = []
+    for round_ in range(3):  # round 0 warms up (CUDA kernels, allocator)
+        sync()
+        start = time.perf_counter()
+        out = actor.generate(batch, SamplingParams(new_tokens, temperature=1.0, seed=round_))
+        sync()
+        gen_s = time.perf_counter() - start
+        mask = out["response_mask"]
+        # reward: the share of response tokens that start a word (a simple format reward
+        # that varies on random weights, whose responses all run to full length)
+        scores = torch.zeros(mask.shape, dtype=torch.float32)
+        last = (mask.sum(-1) - 1).clamp(min=0)
+        scores[torch.arange(rows), last] = torch.tensor([
+            sum(t.startswith("Ġ") for t in tokenizer.convert_ids_to_tokens(r[m.bool()]))
+            / max(int(m.sum()), 1) for r, m in zip(out["response_ids"], mask, strict=True)
+        ])  # fmt: skip
+        adv, _ = compute_advantage("grpo", token_level_rewards=scores, response_mask=mask,
+                                   index=uid)  # fmt: skip
+        out["advantages"] = adv
+        sync()
+        start = time.perf_counter()
+        metrics = actor.update_actor(out)
+        sync()
+        update_s = time.perf_counter() - start
+        timings.append({"gen_s": gen_s, "update_s": update_s, "tokens": int(mask.sum()),
+                        "grad_norm": metrics["actor/grad_norm"]})  # fmt: skip
+    moved = sum(float((a.float() - b.detach().float()).abs().max()) for a, b in
+                zip(before, actor.policy.parameters(), strict=True))  # fmt: skip
+    finite = all(bool(torch.isfinite(p).all()) for p in actor.policy.parameters())
+
+    # plain `generate` at the same batch: the rollout baseline
+    model = actor.policy.eval()
+    ids, pmask = batch["prompt_ids"].to(DEVICE), batch["prompt_mask"].to(DEVICE)
+    plain = []
+    for i in range(2):
+        torch.manual_seed(i)
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=pmask, max_new_tokens=new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        sync()
+        seconds = time.perf_counter() - start
+        resp = gen[:, ids.shape[1] :]
+        eos = (resp == tokenizer.eos_token_id).long()
+        tokens = int(((eos.cumsum(-1) - eos) == 0).sum())
+        plain.append(tokens / seconds)
+    measured = timings[1:]
+    return {
+        "dtype": dtype, "prompts": prompts, "samples": n, "new_tokens": new_tokens,
+        "gen_s": [round(t["gen_s"], 3) for t in measured],
+        "rollout_tok_s": [round(t["tokens"] / t["gen_s"]) for t in measured],
+        "update_s": [round(t["update_s"], 3) for t in measured],
+        "plain_generate_tok_s": round(plain[-1]),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if DEVICE == "cuda" else None,
+        "weights_moved_max_abs_sum": moved, "weights_finite": finite,
+        "grad_norms": [round(t["grad_norm"], 4) for t in measured],
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--assets", type=Path, required=True)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--cpu", action="store_true", help="dry run on the CPU, small shapes")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = "cpu" if args.cpu else "cuda"
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("[gpu_check] no CUDA device")
+        sys.exit(2)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    print(f"[gpu_check] {name} torch {torch.__version__}", flush=True)
+    prepare_smollm2_shape(args.assets)
+    from hybrid_engine.config import ModelConfig
+    from hybrid_engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig())
+    report: dict = {"device": name, "torch": torch.__version__}
+    failed = []
+    try:
+        eq = check_equalities(tokenizer)
+        report["equalities"] = eq
+        print(f"[gpu_check] equalities: {eq}", flush=True)
+        if not eq["decode_greedy_equals_generate"] or not eq["decode_sampled_tokens_in_vocab"]:
+            failed.append("decode")
+        if eq["head_log_probs_max_abs_diff"] > 1e-4:
+            failed.append("head_log_probs")
+        if max(eq["packed_vs_padded_logp_max_abs_diff"],
+               eq["packed_vs_padded_grad_max_abs_diff"]) > 1e-4:  # fmt: skip
+            failed.append("packing")
+    except Exception:
+        traceback.print_exc()
+        failed.append("equalities raised")
+    report["actor"] = []
+    for dtype in ("float32", "bfloat16"):
+        shapes = ((8, 4, 32), (64, 8, 128)) if DEVICE == "cuda" else ((2, 2, 20),)
+        for prompts, n, new_tokens in shapes:
+            try:
+                r = run_actor(tokenizer, dtype, prompts, n, new_tokens)
+            except Exception:
+                traceback.print_exc()
+                failed.append(f"actor {dtype} {prompts}x{n}x{new_tokens} raised")
+                continue
+            report["actor"].append(r)
+            print(f"[gpu_check] actor: {r}", flush=True)
+            if not r["weights_finite"] or r["weights_moved_max_abs_sum"] == 0:
+                failed.append(f"actor {dtype} {prompts}x{n}x{new_tokens} update")
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    report["failed"] = failed
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"[gpu_check] {'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
