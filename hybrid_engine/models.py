@@ -313,15 +313,11 @@ class _HeadLogProbs(torch.autograd.Function):
             zc = z[rows]
             log_p = zc - lse[rows, None]
             p = log_p.exp()
+            # autograd calls this with at least one of the two gradients defined
+            coef = 0.0 if g_logp is None else -g_logp[rows, None]
             if g_ent is not None:  # z - E[z] = log p + H
-                coef = -g_ent[rows, None] * log_p.add_(ent[rows, None])
-                if g_logp is not None:
-                    coef -= g_logp[rows, None]
-                p.mul_(coef)
-            elif g_logp is not None:
-                p.mul_(-g_logp[rows, None])
-            else:
-                p.zero_()
+                coef = coef - g_ent[rows, None] * log_p.add_(ent[rows, None])
+            p.mul_(coef)
             if g_logp is not None:
                 p.scatter_add_(-1, targets[rows, None], g_logp[rows, None])
             zc.copy_(p)

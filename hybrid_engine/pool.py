@@ -44,7 +44,7 @@ from hybrid_engine.config import HybridConfig
 from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 from hybrid_engine.models import cache_dir, load_tokenizer
 from hybrid_engine.rollout import SamplingParams
-from hybrid_engine.workers import REUSE_FREED_MEMORY_ENV
+from hybrid_engine.workers import REUSE_FREED_MEMORY_ENV, ActorRolloutRef, Critic, RewardModel
 
 
 class PoolError(RuntimeError):
@@ -229,8 +229,6 @@ class Worker:
 
     def build(self) -> None:
         """(Re)create the roles from the config: fresh weights, optimizer and version 0."""
-        from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
-
         tokenizer = load_tokenizer(self.cfg.model)
         make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel}
         self.roles = {}  # free the old models first
@@ -531,11 +529,10 @@ class Pool:
         threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // processes)
         groups = {}
         for g, (ranks, roles) in plan.items():
-            env = dict(r.worker_env)
-            if cfg.trainer.reuse_freed_memory and ranks == 1:
-                # like the local backend: bench/memory.py, SmolLM2, 1 rank: step 15.6 -> 14.7 s,
-                # +0.08 GB. FSDP ranks keep ray.worker_env: with it they grew 2.5 -> 4.3 GB.
-                env = {**REUSE_FREED_MEMORY_ENV, **env}
+            # a single rank keeps freed memory like the local backend (bench/memory.py, SmolLM2:
+            # step 15.6 -> 14.7 s, +0.08 GB); FSDP ranks do not: it grew them 2.5 -> 4.3 GB
+            reuse = cfg.trainer.reuse_freed_memory and ranks == 1
+            env = {**REUSE_FREED_MEMORY_ENV, **r.worker_env} if reuse else r.worker_env
             handles = [
                 RemoteWorker.options(
                     name=f"{g}-{rank}", namespace=ns, lifetime="detached",

@@ -50,6 +50,12 @@ from hybrid_engine.sharding import (
     world_size,
 )
 
+# glibc malloc settings that keep freed memory for reuse: name -> (mallopt option number in
+# <malloc.h>, value). The environment variable MALLOC_<name> sets the same when a process starts.
+_KEEP_FREED = {"MMAP_MAX_": (-4, 0), "TRIM_THRESHOLD_": (-1, 2**31 - 1), "ARENA_MAX": (-8, 1)}
+# how a pool worker of a single-rank group gets them (`pool.Pool.create`)
+REUSE_FREED_MEMORY_ENV = {f"MALLOC_{name}": str(value) for name, (_, value) in _KEEP_FREED.items()}
+
 
 def reuse_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for reuse: no mmap for large blocks, no trim,
@@ -58,28 +64,15 @@ def reuse_freed_memory() -> bool:
     By default every tensor above 32 MB is a fresh mmap, so each update page-faults its
     activations and gradients back in: on SmolLM2-135M about 900k faults and 2-3 s of kernel
     time per update. With this, updates from the third step on fault almost nothing and take
-    6.0-7.1 s instead of 8.4-10.1 s; the process's peak RSS grows 3.75 -> 4.2 GB (8 demo steps). Threads other than the main one (Prefect
-    runs tasks in worker threads) get arenas of their own that trim and fault the same way;
-    the one-arena limit reaches them only if it is set before any thread has allocated, so the
-    CLI calls this first thing. Returns False where there is no glibc."""
+    6.0-7.1 s instead of 8.4-10.1 s; the process's peak RSS grows 3.75 -> 4.2 GB (8 demo
+    steps). Threads other than the main one get arenas of their own that trim and fault the
+    same way; the one-arena limit reaches them only if it is set before any thread has
+    allocated, so the CLI calls this first thing. Returns False where there is no glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8  # <malloc.h>
-    return all(
-        libc.mallopt(option, value)
-        for option, value in ((m_mmap_max, 0), (m_trim_threshold, 2**31 - 1), (m_arena_max, 1))
-    )
-
-
-# `reuse_freed_memory` as environment variables, which glibc reads when a process starts: how
-# a pool worker of a single-rank group gets it (`pool.Pool.create`).
-REUSE_FREED_MEMORY_ENV = {
-    "MALLOC_MMAP_MAX_": "0",
-    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
-    "MALLOC_ARENA_MAX": "1",
-}
+    return all(libc.mallopt(option, value) for option, value in _KEEP_FREED.values())
 
 
 def make_optimizer(
