@@ -179,8 +179,10 @@ def test_rollout_shares_the_training_weights_at_one_rank(tokenizer):
 @pytest.mark.parametrize("reuse", [False, True])
 def test_reuse_freed_memory_stops_page_faults_on_reallocation(reuse):
     """An update's pattern: ~500 MB of 3-7 MB tensors and one 160 MB tensor, allocated and
-    freed six times. By default glibc returns the memory and every round faults all of it
-    back in; with `reuse_freed_memory` the rounds after the first reuse the pages."""
+    freed six times. By default glibc maps the 160 MB tensor afresh (it is above the 32 MB
+    ceiling of heap blocks) and faults it in every round, and returns some of the small ones
+    too, how many depending on the heap's layout; with `reuse_freed_memory` the rounds after
+    the first reuse the pages."""
     code = f"""
 import resource, torch
 from hybrid_engine.workers import reuse_freed_memory
@@ -198,4 +200,5 @@ print(sum(faults[3:]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     faults = int(out.stdout.split()[-1])
     pages = 3 * 660 * 2**20 // resource.getpagesize()  # the last three rounds' memory
-    assert (faults < pages // 20) if reuse else (faults > pages // 2), faults
+    big = 3 * 160 * 2**20 // resource.getpagesize()  # their 160 MB tensors'
+    assert (faults < pages // 20) if reuse else (faults > big * 9 // 10), faults
