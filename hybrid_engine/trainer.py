@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hybrid_engine.algorithms.advantages import compute_advantage
-from hybrid_engine.algorithms.losses import (
+from hybrid_engine.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from hybrid_engine.algorithms.losses import agg_loss, kl_penalty, policy_loss, value_loss
+from hybrid_engine.algorithms.kl import kl_penalty
+from hybrid_engine.algorithms.losses import agg_loss, policy_loss, value_loss
 from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import CriticConfig, HybridConfig, OptimConfig

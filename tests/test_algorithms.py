@@ -15,15 +15,13 @@ from hybrid_engine.algorithms.advantages import (
     remax,
     rloo,
 )
-from hybrid_engine.algorithms.losses import (
+from hybrid_engine.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
-    agg_loss,
     apply_kl_penalty,
     kl_penalty,
-    policy_loss,
-    value_loss,
 )
+from hybrid_engine.algorithms.losses import policy_loss, value_loss
 from hybrid_engine.algorithms.utils import masked_mean, masked_var, masked_whiten
 
 
@@ -204,17 +202,6 @@ def test_register_custom_estimator_gets_only_its_parameters():
 
 
 # --------------------------------------------------------------------------- losses
-
-
-def test_agg_loss_modes_with_fully_masked_sequence():
-    loss = T([[1.0, 2.0, 3.0, 4.0], [4.0, 5.0, 6.0, 7.0], [float("nan"), 8.0, 9.0, 10.0]])
-    mask = T([[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])
-    close(agg_loss(loss, mask, "token-mean"), 3.6)  # (1+2+4+5+6) / 5
-    close(agg_loss(loss, mask, "seq-mean-token-sum"), 6.0)  # (3 + 15 + 0) / 3
-    close(agg_loss(loss, mask, "seq-mean-token-mean"), 3.25)  # (1.5 + 5) / 2, row 3 excluded
-    close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), 4.5)  # 18 / 4 columns
-    with pytest.raises(ValueError, match="bogus"):
-        agg_loss(loss, mask, "bogus")
 
 
 def test_policy_loss_clip_higher_dual_clip_and_gradients():

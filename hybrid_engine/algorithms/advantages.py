@@ -6,7 +6,11 @@ under ``torch.no_grad()``, returns float tensors shaped like the rewards and zer
 at masked-out positions.
 
 Estimators are registered by name; ``compute_advantage(name, ...)`` calls one with just the
-inputs its signature asks for.
+inputs its signature asks for, and ``estimator_needs(name)`` reads from that signature what
+the engine must provide (a critic, prompt groups, a greedy baseline).
+
+Outcome scores are s_i = sum_t r_t mask_t. verl 0.9 sums every position; the pipeline's
+rewards are zero off the mask, so the two agree, and padding that holds garbage is not read.
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ __all__ = [
     "ADV_ESTIMATORS",
     "UnknownAdvEstimatorError",
     "compute_advantage",
+    "estimator_needs",
     "gae",
     "get_adv_estimator",
+    "gpg",
     "grpo",
+    "grpo_passk",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "opo",
     "register_adv_estimator",
     "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
     "remax",
     "rloo",
 ]
@@ -67,12 +76,23 @@ def get_adv_estimator(name: str) -> Callable[..., AdvOut]:
         ) from None
 
 
-# What compute_advantage tells the user when an estimator needs an input that was not given.
+# The inputs an estimator may require beyond rewards and mask, and what each one takes.
 _INPUT_HINTS = {
     "values": "values (a critic)",
     "index": "index (a group id per sample)",
     "reward_baselines": "reward_baselines (the rewards of a greedy rollout)",
 }
+
+
+def estimator_needs(name: str) -> frozenset[str]:
+    """The inputs estimator ``name`` requires (parameters without a default) among
+    "values" (a critic), "index" (prompt groups: rollout.n >= 2) and "reward_baselines"
+    (a greedy rollout per prompt). Read from its signature: the registry is the one source
+    of what the engine must build for it."""
+    params = inspect.signature(get_adv_estimator(name)).parameters
+    return frozenset(
+        p for p in _INPUT_HINTS if p in params and params[p].default is inspect.Parameter.empty
+    )
 
 
 def compute_advantage(
@@ -270,3 +290,113 @@ def remax(
     returns = torch.where(keep, returns, 0.0)
     baseline = reward_baselines.to(rewards).reshape(-1, 1)
     return torch.where(keep, returns - baseline, 0.0), returns
+
+
+def _broadcast(adv: torch.Tensor, response_mask: torch.Tensor) -> AdvOut:
+    advantages = torch.where(response_mask.bool(), adv[:, None], 0.0)
+    return advantages, advantages
+
+
+@register_adv_estimator("grpo_passk")
+@torch.no_grad()
+def grpo_passk(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> AdvOut:
+    """Pass@k advantage (Chen et al. 2025): only the best sample of a group learns.
+
+    Per group (at least 2 samples): the best sample (torch.topk's first) gets
+        A = (s_max - s_second) / (std + epsilon)   (unbiased std; without it if not norm_by_std)
+    every other sample 0. Broadcast over tokens, x mask; returns = advantages.
+    """
+    scores = _scores(token_level_rewards, response_mask)
+    gid = _group_ids(index, scores.shape[0], scores.device)
+    adv = torch.zeros_like(scores)
+    for g in range(int(gid.max()) + 1 if gid.numel() else 0):
+        rows = (gid == g).nonzero().squeeze(-1)
+        if len(rows) < 2:
+            raise ValueError(
+                f"grpo_passk needs at least 2 samples per prompt group; group "
+                f"{list(index)[int(rows[0])]!r} has 1 (set rollout.n >= 2)"
+            )
+        group = scores[rows]
+        top, top_idx = torch.topk(group, 2)
+        a = top[0] - top[1]
+        if norm_by_std:
+            a = a / (group.std() + epsilon)
+        adv[rows[top_idx[0]]] = a
+    return _broadcast(adv, response_mask)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    epsilon: float = 1e-6,
+) -> AdvOut:
+    """REINFORCE++-baseline: the group mean as baseline, then whitened over the batch.
+
+    A_i = s_i - mean of its group (a group of one: 0), broadcast over tokens x mask, then
+    whiten(A) over every masked token of the batch, x mask; returns = advantages.
+    (``epsilon`` is unused, as in verl.)
+    """
+    scores = _scores(token_level_rewards, response_mask)
+    n, mean, _ = _group_stats(scores, index)
+    adv = scores - torch.where(n < 2, 0.0, mean)
+    keep = response_mask.bool()
+    tiled = torch.where(keep, adv[:, None], 0.0)
+    advantages = torch.where(keep, masked_whiten(tiled, keep), 0.0)
+    return advantages, advantages
+
+
+@register_adv_estimator("opo")
+@torch.no_grad()
+def opo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    epsilon: float = 1e-6,
+) -> AdvOut:
+    """OPO (Hao et al. 2025): the length-weighted group mean as baseline.
+
+    b = sum_j |y_j| s_j / sum_j |y_j| over the group (a group of one: 0); A_i = s_i - b,
+    broadcast over tokens x mask; returns = advantages. (``epsilon`` is unused, as in verl.)
+    """
+    scores = _scores(token_level_rewards, response_mask)
+    lengths = response_mask.sum(-1).to(scores.dtype)
+    gid = _group_ids(index, scores.shape[0], scores.device)
+    n_groups = int(gid.max()) + 1 if gid.numel() else 0
+    weighted = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, gid, lengths * scores)
+    total_len = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, gid, lengths)
+    count = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, gid, torch.ones_like(scores))
+    baseline = torch.where(count > 1, weighted / total_len.clamp(min=1e-30), 0.0)[gid]
+    return _broadcast(scores - baseline, response_mask)
+
+
+@register_adv_estimator("gpg")
+@torch.no_grad()
+def gpg(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+    alpha: float = 1.0,
+) -> AdvOut:
+    """GPG (Chu et al. 2025): group-mean baseline scaled up by the share of zero scores.
+
+    alpha = B / max(#samples with a nonzero score, 1) over the whole batch of B samples
+    (verl 0.9 computes it so and ignores the ``alpha`` argument; so does this);
+    A_i = alpha (s_i - mean of its group) / f_norm (a group of one: mean 0), broadcast over
+    tokens x mask; returns = advantages. (``epsilon`` is unused, as in verl.)
+    """
+    scores = _scores(token_level_rewards, response_mask)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    n, mean, _ = _group_stats(scores, index)
+    adv = alpha * (scores - torch.where(n < 2, 0.0, mean)) / f_norm
+    return _broadcast(adv, response_mask)

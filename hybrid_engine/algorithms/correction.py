@@ -1,0 +1,208 @@
+"""Train/rollout mismatch correction (verl 0.9's rollout correction, decoupled mode).
+
+The rollout engine samples from pi_rollout (its own numerics, or older weights when training
+runs asynchronously); the loss is computed against pi_old, the training side's log-probs of
+the same tokens. With log_ratio = log pi_old - log pi_rollout per token:
+
+- ``rollout_is_weights``: importance weights pi_old / pi_rollout that multiply the per-token
+  policy losses, truncated (TIS) or with out-of-band tokens zeroed (IcePop);
+- ``rejection_mask``: drop tokens or whole sequences whose divergence estimate leaves a band;
+- ``correction_metrics``: the statistics to watch (weights' mean/max/ESS, mismatch KL, PPL).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid_engine.algorithms.utils import masked_mean, masked_sum
+
+__all__ = [
+    "IS_LEVELS",
+    "REJECTION_MODES",
+    "correction_metrics",
+    "parse_is_threshold",
+    "parse_rejection",
+    "rejection_mask",
+    "rollout_is_weights",
+]
+
+SAFETY_BOUND = 20.0  # log-space clamp before exp: weights stay within e^±20
+IS_LEVELS = ("token", "sequence")
+REJECTION_MODES = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+
+
+def parse_is_threshold(threshold: float | str) -> tuple[float, float | None]:
+    """(upper, lower): a number or "2.0" truncates at upper (TIS, lower None); "0.5_2.0"
+    keeps weights inside [lower, upper] and zeroes the rest (IcePop)."""
+    if isinstance(threshold, bool):
+        raise ValueError(f"IS threshold must be a number or 'lower_upper', got {threshold!r}")
+    spec = str(threshold).strip()
+    lower_s, sep, upper_s = spec.partition("_")
+    try:
+        upper, lower = (float(upper_s), float(lower_s)) if sep else (float(spec), None)
+    except ValueError:
+        raise ValueError(f"IS threshold {threshold!r} is not a number or 'lower_upper'") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"IS threshold {threshold!r}: need 0 < lower <= upper")
+    return upper, lower
+
+
+def parse_rejection(modes: str, thresholds: float | str) -> dict[str, tuple[float | None, float]]:
+    """{mode: (lower, upper)} from comma-separated modes and thresholds (one shared, or one
+    per mode). k1 modes bound the rollout/train ratio: "lower_upper", or "upper" meaning
+    [1/upper, upper]; k2/k3 modes take one upper bound on the divergence."""
+    names = list(dict.fromkeys(m.strip() for m in str(modes).split(",") if m.strip()))
+    if not names:
+        raise ValueError("rejection modes: give at least one of " + ", ".join(REJECTION_MODES))
+    for name in names:
+        if name not in REJECTION_MODES:
+            raise ValueError(
+                f"unknown rejection mode {name!r}; known: {', '.join(REJECTION_MODES)}"
+            )
+    specs = [s.strip() for s in str(thresholds).split(",") if s.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(
+            f"rejection thresholds {thresholds!r}: give one for all modes or one per mode "
+            f"({len(names)})"
+        )
+    specs = specs * len(names) if len(specs) == 1 else specs
+    out: dict[str, tuple[float | None, float]] = {}
+    for name, spec in zip(names, specs, strict=True):
+        lower_s, sep, upper_s = spec.partition("_")
+        try:
+            if name.endswith("k1"):
+                upper = float(upper_s if sep else spec)
+                lower = float(lower_s) if sep else 1.0 / upper
+            elif sep:
+                raise ValueError
+            else:
+                upper, lower = float(spec), None
+        except (ValueError, ZeroDivisionError):
+            form = "'lower_upper' or one ratio" if name.endswith("k1") else "one upper bound"
+            raise ValueError(f"rejection threshold {spec!r} for {name}: expected {form}") from None
+        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+            raise ValueError(f"rejection threshold {spec!r} for {name}: need 0 < lower <= upper")
+        out[name] = (lower, upper)
+    return out
+
+
+@torch.no_grad()
+def rollout_is_weights(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str = "token",
+    threshold: float | str = 2.0,
+    batch_normalize: bool = False,
+) -> torch.Tensor:
+    """Importance weights w = pi_old / pi_rollout, 0 off the mask (detached).
+
+    token:    w_t = exp(clamp(log_ratio_t, -20, 20))
+    sequence: w_t = exp(clamp(sum_t m log_ratio_t, -20, 20)) for every token of the sequence
+    then TIS w = min(w, upper), or IcePop w = w if lower <= w <= upper else 0;
+    batch_normalize divides by the masked mean (token) or the mean over sequences (sequence).
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown IS level {level!r}; known: {', '.join(IS_LEVELS)}")
+    upper, lower = parse_is_threshold(threshold)
+    mask = response_mask.to(log_ratio.dtype)
+    if level == "token":
+        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    else:
+        total = masked_sum(log_ratio, response_mask, dim=-1)[:, None]
+        raw = torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
+    raw = raw * mask
+    if lower is None:
+        weights = raw.clamp(max=upper)
+    else:
+        weights = torch.where((raw >= lower) & (raw <= upper), raw, 0.0)
+    if batch_normalize:
+        if level == "token":
+            mean = masked_mean(weights, response_mask)
+        else:
+            seq = masked_sum(weights, response_mask, dim=-1) / (mask.sum(-1) + 1e-8)
+            has = (mask.sum(-1) > 0).to(weights.dtype)
+            mean = (seq * has).sum() / has.sum().clamp(min=1e-8)
+        if mean > 1e-8:
+            weights = weights / mean
+    return weights
+
+
+@torch.no_grad()
+def rejection_mask(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    modes: str = "token_k1",
+    thresholds: float | str = "0.5_2.0",
+) -> torch.Tensor:
+    """``response_mask`` with the rejected tokens set to 0 (every mode must pass).
+
+    Per token, with l = clamp(log_ratio, -20, 20): k1 = -l, k2 = l^2 / 2, k3 = e^l - 1 - l.
+    token_k*: the token's value; seq_sum_k* / seq_mean_k* / seq_max_k*: the masked sum / mean /
+    max over the sequence, which keeps or drops the whole sequence. k1 values must lie in
+    [log lower, log upper]; k2 and k3 values must be <= upper.
+    """
+    bounds = parse_rejection(modes, thresholds)
+    l_safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    per_token = {"k1": -l_safe, "k2": 0.5 * l_safe**2, "k3": torch.exp(l_safe) - 1.0 - l_safe}
+    m = response_mask.bool()
+    count = response_mask.to(log_ratio.dtype).sum(-1)
+    keep = torch.ones_like(m)
+    for name, (lower, upper) in bounds.items():
+        kind = name[-2:]
+        value = per_token[kind]
+        if name.startswith("seq_sum"):
+            value = masked_sum(value, m, dim=-1)[:, None]
+        elif name.startswith("seq_mean"):
+            value = (masked_sum(value, m, dim=-1) / (count + 1e-8))[:, None]
+        elif name.startswith("seq_max"):
+            top = value.masked_fill(~m, float("-inf")).amax(-1)
+            value = torch.where(torch.isinf(top), 0.0, top)[:, None]
+        if kind == "k1":
+            ok = (value >= math.log(lower)) & (value <= math.log(upper))
+        else:
+            ok = value <= upper
+        keep &= ok.expand_as(m)
+    return (response_mask * keep.to(response_mask.dtype)).to(response_mask.dtype)
+
+
+@torch.no_grad()
+def correction_metrics(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    kept_mask: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Mismatch statistics under ``rollout_corr/`` (verl's names): kl = E[log pi_rollout -
+    log pi_old], k3_kl, training/rollout perplexity, chi2_token; with ``weights`` their mean,
+    max, min and effective sample size 1 / E[(w / E w)^2]; with ``kept_mask`` the share of
+    tokens and sequences the rejection dropped."""
+    m = response_mask.bool()
+    log_ratio = old_log_probs - rollout_log_probs
+    out = {
+        "kl": masked_mean(rollout_log_probs - old_log_probs, m),
+        "k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, m),
+        "training_ppl": torch.exp(-masked_mean(old_log_probs, m, dim=-1)).mean(),
+        "rollout_ppl": torch.exp(-masked_mean(rollout_log_probs, m, dim=-1)).mean(),
+        "chi2_token": masked_mean(
+            torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)).square(), m
+        ) - 1.0,
+    }  # fmt: skip
+    if weights is not None and m.any():
+        mean = masked_mean(weights, m)
+        out["rollout_is_mean"] = mean
+        out["rollout_is_max"] = weights.masked_fill(~m, float("-inf")).max()
+        out["rollout_is_min"] = weights.masked_fill(~m, float("inf")).min()
+        out["rollout_is_eff_sample_size"] = 1.0 / masked_mean((weights / (mean + 1e-8)) ** 2, m)
+    if kept_mask is not None:
+        dropped = m & ~kept_mask.bool()
+        out["rollout_rs_masked_fraction"] = masked_mean(dropped.float(), m)
+        out["rollout_rs_seq_masked_fraction"] = dropped.any(-1).float().mean()
+    return {f"rollout_corr/{k}": float(v) for k, v in out.items()}
