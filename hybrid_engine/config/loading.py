@@ -1,0 +1,139 @@
+"""Building the config: YAML preset + environment + dotted overrides, one `ConfigError` that
+names the key; flattening for logging; the README's reference tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from hybrid_engine.config.base import ConfigError, Section
+from hybrid_engine.config.root import _YAML_DATA, HybridConfig
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["actor.optim.lr=1e-6", "rollout.n=8"]` -> nested dict; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override")
+        node[parts[-1]] = value
+    return out
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key {key!r} (value {e['input']!r})")
+        elif key and e["type"] != "value_error":  # our own validators name the key
+            lines.append(f"{key}={e['input']!r}: {e['msg']}")
+        else:
+            lines.append(e["msg"].removeprefix("Value error, "))
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> HybridConfig:
+    """Build the config from a YAML preset, the environment, and dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    return config_from_dict(data, overrides)
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> HybridConfig:
+    """Like `load_config`, from a dict in place of the YAML file (a stored run's config)."""
+    token = _YAML_DATA.set(data)
+    try:
+        return HybridConfig(**parse_overrides(overrides or []))
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {_describe(e)}") from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """`{"actor.optim.lr": 1e-05, ...}` for logging and comparing runs."""
+    out: dict[str, Any] = {}
+    for name, value in cfg:
+        key = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            out |= flatten(value, key + ".")
+        else:
+            out[key] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+def _type_name(annotation: Any) -> str:
+    """`int`, `float | None`, `"hf" \\| "vllm"` for the reference table."""
+    args = get_args(annotation)
+    if get_origin(annotation) is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if args and get_origin(annotation) in (UnionType, Union):
+        return " \\| ".join(_type_name(a) for a in args)
+    if annotation is type(None):
+        return "None"
+    if get_origin(annotation) in (dict, tuple):
+        return str(annotation).replace("typing.", "")
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _bounds(metadata: list[Any]) -> str:
+    signs = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤"}
+    out = [f"{s} {getattr(m, k)}" for m in metadata for k, s in signs.items() if hasattr(m, k)]
+    return f" ({', '.join(out)})" if out else ""
+
+
+def config_reference() -> str:
+    """Every key of the config as markdown tables (key, default, type, meaning), one per
+    section, from the model itself (README's configuration reference is this text)."""
+    lines: list[str] = []
+
+    def walk(model: BaseModel, prefix: str) -> None:
+        leaves = []
+        for name, field in type(model).model_fields.items():
+            value = getattr(model, name)
+            if isinstance(value, BaseModel):
+                continue
+            default = "`None`" if value is None else f"`{json.dumps(value)}`"
+            kind = _type_name(field.annotation) + _bounds(field.metadata)
+            leaves.append(f"| `{prefix}{name}` | {default} | {kind} | {field.description or ''} |")
+        if leaves:
+            lines.extend(["", f"**{prefix.rstrip('.')}**", ""])
+            doc = type(model).__doc__
+            if doc and type(model) is not Section:
+                lines.extend([" ".join(doc.split()), ""])
+            lines.extend(["| key | default | type | meaning |", "| --- | --- | --- | --- |"])
+            lines.extend(leaves)
+        for name in type(model).model_fields:
+            value = getattr(model, name)
+            if isinstance(value, BaseModel):
+                walk(value, f"{prefix}{name}.")
+
+    defaults = {name: f.get_default(call_default_factory=True)
+                for name, f in HybridConfig.model_fields.items()}  # fmt: skip
+    for name, section in defaults.items():
+        walk(section, f"{name}.")
+    return "\n".join(lines).strip() + "\n"

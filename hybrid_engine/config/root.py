@@ -1,0 +1,214 @@
+"""`HybridConfig`: the whole run as one pydantic-settings model, and the checks that span
+sections (batch sizes, layouts, what the chosen estimator and loss need)."""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from hybrid_engine.config.infra import (
+    PipelineConfig,
+    RayConfig,
+    StorageConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
+from hybrid_engine.config.training import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    RefConfig,
+    RewardConfig,
+    RolloutConfig,
+)
+
+
+class HybridConfig(BaseSettings):
+    """The whole run. Sections mirror the pipeline's parts."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="HYBRIDRL_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        nested_model_default_partial_update=True,
+    )
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    # ------------------------------------------------------------ derived facts
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.data.train_batch_size * self.rollout.n
+
+    @property
+    def device(self) -> str:
+        """Where the workers' models live: GPUs when the pool reserves them, else the CPU."""
+        gpu = self.trainer.backend == "ray" and self.ray.num_gpus_per_rank > 0
+        return "cuda" if gpu else "cpu"
+
+    @property
+    def use_reward_model(self) -> bool:
+        return self.reward.model_path is not None
+
+    @model_validator(mode="after")
+    def _check_batch_sizes(self) -> HybridConfig:
+        n = self.samples_per_step
+        checks = [
+            ("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size, n,
+             "data.train_batch_size * rollout.n"),
+            ("actor.ppo_micro_batch_size", self.actor.ppo_micro_batch_size,
+             self.actor.ppo_mini_batch_size, "actor.ppo_mini_batch_size"),
+        ]  # fmt: skip
+        if self.use_critic:
+            checks += [
+                ("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size, n,
+                 "data.train_batch_size * rollout.n"),
+                ("critic.ppo_micro_batch_size", self.critic.ppo_micro_batch_size,
+                 self.critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size"),
+            ]  # fmt: skip
+        for key, size, total, total_name in checks:
+            if size > total or total % size:
+                raise ValueError(
+                    f"{key}={size} must divide {total_name}={total} "
+                    f"(data.train_batch_size={self.data.train_batch_size}, rollout.n={self.rollout.n})"
+                )
+        if self.reward.overlong_buffer_len >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be smaller "
+                f"than rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
+        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ValueError(
+                f"rollout.n={self.rollout.n}: {self.algorithm.adv_estimator} compares samples "
+                "of one prompt, it needs rollout.n >= 2"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> HybridConfig:
+        """What each layout setting needs; what this build cannot run is refused by name."""
+        lay, backend = self.actor.layout, self.trainer.backend
+        ranks = {"actor.layout.dp": lay.dp}
+        if self.use_critic and self.ray.critic == "separate":
+            ranks["ray.critic_dp"] = self.ray.critic_dp
+        if self.use_reward_model and self.ray.reward_model == "separate":
+            ranks["ray.reward_model_dp"] = self.ray.reward_model_dp
+        if backend == "local":
+            many = {k: v for k, v in ranks.items() if v > 1}
+            if many:
+                raise ValueError(
+                    f"{_kv(many)}: the local backend runs one rank in this process; "
+                    "set trainer.backend=ray for data-parallel ranks"
+                )
+            if self.ray.critic == "separate" or self.ray.reward_model == "separate":
+                raise ValueError(
+                    "ray.critic / ray.reward_model = separate need trainer.backend=ray"
+                )
+        n = self.samples_per_step
+        for key, group_dp, size in [
+            ("actor.ppo_mini_batch_size", lay.dp, self.actor.ppo_mini_batch_size),
+            ("critic.ppo_mini_batch_size", ranks.get("ray.critic_dp", lay.dp),
+             self.critic.ppo_mini_batch_size),
+        ]:  # fmt: skip
+            if key.startswith("critic") and not self.use_critic:
+                continue
+            if size % group_dp or n % group_dp:
+                raise ValueError(
+                    f"{key}={size} and the {n} samples of a step must split evenly over "
+                    f"{group_dp} data-parallel ranks"
+                )
+        per_rank = [
+            ("actor", lay.dp, self.actor.ppo_mini_batch_size, self.actor.ppo_micro_batch_size)
+        ]
+        if self.use_critic:
+            c = self.critic
+            per_rank.append(("critic", ranks.get("ray.critic_dp", lay.dp), c.ppo_mini_batch_size,
+                             c.ppo_micro_batch_size))  # fmt: skip
+        for role, group_dp, mini, micro in per_rank:
+            if (mini // group_dp) % micro:
+                raise ValueError(
+                    f"{role}.ppo_micro_batch_size={micro} must divide the per-rank mini-batch "
+                    f"{role}.ppo_mini_batch_size / {group_dp} ranks = {mini // group_dp}"
+                )
+        rdp = lay.rollout.dp or lay.dp
+        if self.rollout.name == "hf":
+            if lay.rollout.tp != 1:
+                raise ValueError(
+                    f"actor.layout.rollout.tp={lay.rollout.tp}: the hf rollout keeps full weights "
+                    "per replica; tensor-parallel rollout needs rollout.name=vllm (GPU)"
+                )
+            if rdp != lay.dp:
+                raise ValueError(
+                    f"actor.layout.rollout.dp={rdp}: with the colocated hf rollout every training "
+                    f"rank is one replica, so it must equal actor.layout.dp={lay.dp}"
+                )
+        else:
+            if backend != "ray" or self.ray.num_gpus_per_rank <= 0:
+                raise ValueError(
+                    "rollout.name=vllm runs on GPUs in the Ray pool: set trainer.backend=ray and "
+                    "ray.num_gpus_per_rank > 0 (install the [vllm] extra on a GPU machine)"
+                )
+            if lay.rollout.tp * rdp != lay.dp:
+                raise ValueError(
+                    f"actor.layout.rollout.tp={lay.rollout.tp} x dp={rdp} must equal "
+                    f"actor.layout.dp={lay.dp}: the rollout engines use the training ranks' GPUs"
+                )
+            if lay.rollout.separate_copy:
+                raise ValueError(
+                    "actor.layout.rollout.separate_copy applies to the hf rollout only"
+                )
+        return self
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in d.items())
+
+
+_YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("yaml")
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML preset, below the environment in precedence."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return _YAML_DATA.get({}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_YAML_DATA.get({}))
