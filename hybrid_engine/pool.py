@@ -40,7 +40,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from hybrid_engine import RAY_ENV
 from hybrid_engine.batch import Batch
-from hybrid_engine.config import HybridConfig
+from hybrid_engine.config import HybridConfig, import_plugins
 from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 from hybrid_engine.models import cache_dir, load_tokenizer
 from hybrid_engine.rollout import SamplingParams
@@ -206,6 +206,7 @@ class Worker:
 
     def __init__(self, cfg: HybridConfig, group: str, rank: int, world: int, roles: list[str]):
         self.cfg, self.group, self.rank, self.world = cfg, group, rank, world
+        import_plugins(cfg.algorithm.plugins)  # the run's own losses, registered here too
         self.role_names = roles
         self.spec = pool_spec(cfg)
         self.roles: dict[str, Any] = {}
@@ -240,6 +241,7 @@ class Worker:
         clip ratios, sampling, ...); `pool_spec` guards the rest."""
         if pool_spec(cfg) != self.spec:
             raise PoolError("configure: the pool spec differs")
+        import_plugins(cfg.algorithm.plugins)
         self.cfg = cfg
         for role in self.roles.values():
             role.configure(cfg)

@@ -35,6 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    log_probs: bool = False  # also return each sampled token's log-prob (rollout correction)
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +129,7 @@ def decode(
     eos_token_id: int,
     pad_token_id: int,
     on_step: Callable[[int], None] | None = None,
+    log_probs_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """(rows, steps) response tokens for left-padded prompts, pad after each row's EOS.
 
@@ -138,7 +140,10 @@ def decode(
       once and its cache rows and first logits are copied to its samples (1/n of the prefill);
     - `sample_tokens` draws with one uniform number per row.
     Positions skip left padding, as in `generate`; greedy gives `generate`'s tokens. Stops when
-    every row has emitted EOS. `on_step(k)`: k rows were still open and sampled a token."""
+    every row has emitted EOS. `on_step(k)`: k rows were still open and sampled a token.
+    `log_probs_out`, if given, receives per step the (rows,) log-probs of the sampled tokens
+    under softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p: the
+    distribution the training side computes its log-probs from."""
     rows, width = prompt_ids.shape
     steps = sampling.max_new_tokens
     cache = StaticCache(config=model.config, max_cache_len=width + steps)
@@ -161,6 +166,10 @@ def decode(
         scores = warpers(out[:, :t], logits.float())
         token = sample_tokens(scores, sampling.greedy).masked_fill_(done, pad_token_id)
         out[:, t] = token
+        if log_probs_out is not None:
+            z = logits.float() / (sampling.temperature or 1.0)
+            lp = z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+            log_probs_out.append(lp.masked_fill_(done, 0.0))
         if on_step is not None:
             on_step(int((~done).sum()))
         done |= token == eos_token_id
@@ -205,15 +214,18 @@ class HFRollout:
         start = time.perf_counter()
         self.tokens_so_far, self.started = 0, start
         try:
-            chunks = []
+            chunks, lp_chunks = [], []
             device = self.model.device
             for i, part in enumerate(batch.split(self.micro_batch_size)):
                 torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
                 prompt_ids = part["prompt_ids"].to(device)
                 prompt_mask = part["prompt_mask"].to(device)
+                steps: list[torch.Tensor] | None = [] if sampling.log_probs else None
                 out = decode(self.model, prompt_ids, prompt_mask, sampling, eos, pad,
-                             on_step=self._count)  # fmt: skip
+                             on_step=self._count, log_probs_out=steps)  # fmt: skip
                 chunks.append(out.cpu())
+                if steps is not None:
+                    lp_chunks.append(torch.stack(steps, 1).cpu())
         finally:
             self.started = None
             self.model.train(was_training)
@@ -223,7 +235,11 @@ class HFRollout:
         response_ids = torch.cat([pad_right(c, length, pad) for c in chunks])
         response_mask = response_mask_from_ids(response_ids, eos)
         response_ids = response_ids.masked_fill(response_mask == 0, pad)
-        out = with_responses(batch, response_ids, response_mask)
+        extra = {}
+        if lp_chunks:
+            lps = torch.cat([pad_right(c, length, 0) for c in lp_chunks])
+            extra["rollout_log_probs"] = lps.masked_fill(response_mask == 0, 0.0)
+        out = with_responses(batch, response_ids, response_mask, **extra)
         tokens = int(response_mask.sum())
         out.meta.update(gen_tokens=tokens, gen_seconds=seconds, gen_tokens_per_s=tokens / seconds)
         return out

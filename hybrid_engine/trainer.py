@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hybrid_engine.algorithms.advantages import compute_advantage
+from hybrid_engine.algorithms.correction import rollout_correction
 from hybrid_engine.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -29,6 +30,7 @@ from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.data import PromptData, prompt_batch
+from hybrid_engine.dynamic_sampling import dynamic_rollout
 from hybrid_engine.models import load_tokenizer
 from hybrid_engine.rewards import RewardScorer, overlong_penalty, token_level_scores
 from hybrid_engine.rollout import SamplingParams
@@ -98,6 +100,7 @@ class Engine:
             if cfg.use_reward_model:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
         self.kl_ctrl = make_kl_ctrl(cfg)
+        self.next_gen_batch = 1  # dynamic sampling: the plain loop's data cursor
 
     def reset_weights(self) -> None:
         """Fresh weights, optimizers and KL coefficient, as a new run starts with."""
@@ -119,6 +122,7 @@ class Engine:
             a.ppo_epochs == 1
             and a.ppo_mini_batch_size == self.cfg.samples_per_step
             and not self.cfg.algorithm.use_kl_in_reward
+            and not self.cfg.algorithm.rollout_correction.enabled
         )
 
     def rollout_progress(self) -> dict[str, float] | None:
@@ -126,24 +130,51 @@ class Engine:
         return self.actor.rollout_progress()
 
     # -------------------------------------------------------------- 1. rollout
-    def rollout(self, step: int) -> Batch:
+    def sample(
+        self,
+        step: int,
+        first_gen_batch: int | None = None,
+        load: Callable[[int], Batch | None] | None = None,
+        save: Callable[[int, Batch], None] | None = None,
+    ) -> Batch:
+        """The rollout stage of step N: `rollout(N)`, or with `algorithm.filter_groups` the
+        DAPO loop over generation batches from `first_gen_batch` (default: the one after the
+        last this engine used), scored on the way (`hybrid_engine.dynamic_sampling`)."""
+        fg = self.cfg.algorithm.filter_groups
+        if not fg.enabled:
+            return self.rollout(step)
+        first = self.next_gen_batch if first_gen_batch is None else first_gen_batch
+        batch = dynamic_rollout(
+            lambda g: self.reward(self.rollout(step, g)), first,
+            self.cfg.data.train_batch_size, fg.metric, fg.max_num_gen_batches,
+            fg.on_exhausted, self.tokenizer.pad_token_id, load, save,
+        )  # fmt: skip
+        self.next_gen_batch = batch.meta["next_gen_batch"]
+        batch.meta["step"] = step
+        return batch
+
+    def rollout(self, step: int, gen_batch: int | None = None) -> Batch:
+        """Step N's prompts, `rollout.n` samples each. Generation batch g (dynamic
+        sampling) takes the prompts and seed step g takes without it; default g = N."""
         r = self.cfg.rollout
+        g = step if gen_batch is None else gen_batch
         metrics: dict[str, float] = {}
         prompts = prompt_batch(
-            self.data.step_rows(step), self.tokenizer, self.cfg.data.max_prompt_length
+            self.data.step_rows(g), self.tokenizer, self.cfg.data.max_prompt_length
         )
-        prompts["uid"] = [f"{step}-{i}" for i in range(len(prompts))]
+        prompts["uid"] = [f"{g}-{i}" for i in range(len(prompts))]
         sampling = SamplingParams(
             r.max_new_tokens,
             r.temperature,
             r.top_p,
             r.top_k,
-            step_seed(self.cfg.trainer.seed, step),
+            step_seed(self.cfg.trainer.seed, g),
+            log_probs=self.cfg.algorithm.rollout_correction.enabled,
         )
         with timer(metrics, "gen"):
             batch = self.actor.generate(prompts.repeat_interleave(r.n), sampling)
         metrics["timing_s/reshard"] = batch.meta.get("reshard_s", 0.0)
-        if self.cfg.algorithm.adv_estimator == "remax":
+        if self.cfg.greedy_baseline:
             with timer(metrics, "gen_baseline"):
                 greedy = self.actor.generate(prompts, SamplingParams(r.max_new_tokens, 0.0))
             greedy = greedy.repeat_interleave(r.n)
@@ -155,21 +186,27 @@ class Engine:
 
     # --------------------------------------------------------------- 2. reward
     def reward(self, batch: Batch) -> Batch:
+        """`scores` (the scorer's), `acc` (score >= 1) and `token_level_scores` (plus the
+        overlong penalty, on the last response token). A batch that dynamic sampling scored
+        already keeps its scores."""
         metrics: dict[str, float] = {}
         with timer(metrics, "reward"):
-            scores = self._score(batch, "response_ids", "response_mask")
-            penalty = self._overlong(batch["response_mask"])
-            shaped = torch.tensor(scores) + penalty
-            batch["token_level_scores"] = token_level_scores(shaped, batch["response_mask"])
-            if "baseline_response_ids" in batch:
+            if "token_level_scores" not in batch:
+                raw = torch.tensor(self._score(batch, "response_ids", "response_mask"))
+                shaped = raw + self._overlong(batch["response_mask"])
+                batch["scores"], batch["acc"] = raw.float(), (raw >= 1.0).float()
+                batch["token_level_scores"] = token_level_scores(shaped, batch["response_mask"])
+            if "baseline_response_ids" in batch and "reward_baselines" not in batch:
                 base = self._score(batch, "baseline_response_ids", "baseline_response_mask")
                 batch["reward_baselines"] = torch.tensor(base) + self._overlong(
                     batch["baseline_response_mask"]
                 )
+        scores = batch["scores"].tolist()
         metrics["critic/score/mean"] = sum(scores) / len(scores)
         metrics["critic/score/max"] = max(scores)
         metrics["critic/score/min"] = min(scores)
         if self.cfg.reward.overlong_buffer_len:
+            penalty = self._overlong(batch["response_mask"])
             metrics["critic/overlong_penalty/mean"] = float(penalty.mean())
         batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
         return batch
@@ -232,6 +269,8 @@ class Engine:
                 self.kl_ctrl.update(float(kl), cfg.data.train_batch_size)
             else:
                 rewards = batch["token_level_scores"]
+            if alg.rollout_correction.enabled:
+                mask = self._correct(batch, metrics)
             adv, ret = compute_advantage(
                 alg.adv_estimator,
                 token_level_rewards=rewards,
@@ -251,6 +290,25 @@ class Engine:
         metrics["critic/returns/mean"] = float(masked_mean(ret, mask))
         batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
         return batch
+
+    def _correct(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
+        """Rollout correction: IS weights into the batch, rejected tokens out of its mask."""
+        rc = self.cfg.algorithm.rollout_correction
+        if "rollout_log_probs" not in batch:
+            raise ValueError(
+                "algorithm.rollout_correction needs the rollout's own log-probs "
+                "(rollout_log_probs), which this rollout did not record"
+            )
+        weights, mask, m = rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+            rc.level, rc.threshold, rc.batch_normalize, rc.rejection_modes,
+            rc.rejection_thresholds,
+        )  # fmt: skip
+        if weights is not None:
+            batch["rollout_is_weights"] = weights
+        batch["response_mask"] = mask
+        metrics |= m
+        return mask
 
     # --------------------------------------------------------------- 4. update
     def update(self, batch: Batch) -> Batch:
@@ -284,7 +342,7 @@ class Engine:
     def step(self, step: int) -> dict[str, float]:
         """One full step; returns its metrics."""
         start = time.perf_counter()
-        result = self.update(self.advantage(self.reward(self.rollout(step))))
+        result = self.update(self.advantage(self.reward(self.sample(step))))
         return finish_step(result.meta["metrics"], time.perf_counter() - start)
 
     @torch.no_grad()
@@ -330,8 +388,11 @@ def finish_step(metrics: dict[str, float], seconds: float) -> dict[str, float]:
 
 
 def batch_stats(batch: Batch, max_new_tokens: int) -> dict[str, float]:
-    """Lengths; clip_ratio = share of responses cut at max_new_tokens (no EOS)."""
-    lengths = batch["response_mask"].sum(-1).float()
+    """Lengths; clip_ratio = share of responses cut at max_new_tokens (no EOS). Lengths
+    count the response's tokens in the attention mask (rejection may zero some in
+    response_mask)."""
+    width = batch["response_mask"].shape[1]
+    lengths = batch["attention_mask"][:, -width:].sum(-1).float()
     return {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -22,10 +21,10 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from hybrid_engine.algorithms.kl import kl_penalty
-from hybrid_engine.algorithms.losses import agg_loss, policy_loss, value_loss
+from hybrid_engine.algorithms.losses import agg_loss, loss_aggregation, policy_loss, value_loss
 from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
-from hybrid_engine.config import CriticConfig, HybridConfig, OptimConfig
+from hybrid_engine.config import CriticConfig, HybridConfig
 from hybrid_engine.models import (
     load_critic,
     load_policy,
@@ -39,7 +38,6 @@ from hybrid_engine.rollout import HFRollout, SamplingParams
 from hybrid_engine.rollout_vllm import VLLMRollout
 from hybrid_engine.sharding import (
     RolloutWeights,
-    all_reduce_sum,
     full_state_dict,
     is_sharded,
     load_state,
@@ -47,9 +45,9 @@ from hybrid_engine.sharding import (
     named_full_tensors,
     save_state,
     shard_model,
-    to_float,
     world_size,
 )
+from hybrid_engine.updates import make_optimizer, micro_batches, model_device, ppo_updates
 
 # glibc malloc settings that keep freed memory for reuse: name -> (mallopt option number in
 # <malloc.h>, value). The environment variable MALLOC_<name> sets the same when a process starts.
@@ -74,66 +72,6 @@ def reuse_freed_memory() -> bool:
     except OSError:
         return False
     return all(libc.mallopt(option, value) for option, value in _KEEP_FREED.values())
-
-
-def make_optimizer(
-    params: list[nn.Parameter], cfg: OptimConfig
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with a linear warm-up over `cfg.warmup_steps` optimizer steps.
-
-    The fused kernel: one pass per parameter instead of a dozen elementwise ops; on two CPU
-    cores a SmolLM2-135M step took 0.11-0.18 s against 0.35-0.8 s for the for-loop version."""
-    opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        fused=True,
-    )  # fmt: skip
-    warmup = cfg.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
-    return opt, sched
-
-
-def trim(batch: Batch) -> tuple[Batch, int, int]:
-    """Drop columns that are padding in every row: left of the longest prompt, right of the
-    longest response. Returns the trimmed (input_ids, attention_mask, response_mask) batch,
-    the kept response length and the original one."""
-    response_mask = batch["response_mask"]
-    resp_len = response_mask.shape[1]
-    keep_resp = max(1, int(response_mask.any(0).nonzero().max()) + 1) if response_mask.any() else 1
-    prompt_len = batch["input_ids"].shape[1] - resp_len
-    first = int(batch["attention_mask"][:, :prompt_len].any(0).nonzero().min())
-    end = prompt_len + keep_resp
-    t = {
-        "input_ids": batch["input_ids"][:, first:end],
-        "attention_mask": batch["attention_mask"][:, first:end],
-        "response_mask": response_mask[:, :keep_resp],
-    }
-    return Batch(t), keep_resp, resp_len
-
-
-def pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, length - t.shape[1]))
-
-
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def micro_batches(
-    batch: Batch,
-    size: int,
-    fn: Callable[[Batch], dict[str, torch.Tensor]],
-    device: torch.device | str = "cpu",
-) -> Batch:
-    """Apply `fn` to trimmed micro-batches on `device`; re-pad its (micro, resp) outputs and
-    concatenate them on the CPU."""
-    outs: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for micro in batch.split(size):
-        small, _, full = trim(micro)
-        for k, v in fn(small.to(device)).items():
-            outs[k].append(pad_to(v.cpu(), full))
-    return Batch({k: torch.cat(v) for k, v in outs.items()})
 
 
 class ActorRolloutRef:
@@ -236,13 +174,16 @@ class ActorRolloutRef:
 
     # ------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO-clip policy update (+ entropy bonus, + KL loss to the reference)."""
+        """Policy update with the registered loss `actor.policy_loss.mode` (+ entropy bonus,
+        + KL loss to the reference), each term reduced by its own aggregation."""
         a = self.cfg.actor
         temp = self.cfg.rollout.temperature or 1.0
         if a.use_kl_loss and "ref_log_prob" not in batch:
             raise ValueError("actor.use_kl_loss needs ref_log_prob in the batch")
+        scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens
+        pg_agg = loss_aggregation(a.policy_loss.mode, a.loss_agg_mode)
 
-        def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[torch.Tensor, dict]:
+        def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
             mask = small["response_mask"]
             logp, ent = self.log_probs_fn(
                 self.policy, small["input_ids"], small["attention_mask"], keep, temp, True
@@ -250,26 +191,30 @@ class ActorRolloutRef:
             # Without stored old log-probs the data is on-policy (see Engine).
             old = micro.tensors.get("old_log_probs")
             old = logp.detach() if old is None else old[:, :keep]
+            is_weights = micro.tensors.get("rollout_is_weights")
             pg, clipfrac, ppo_kl, clip_lower = policy_loss(
                 old, logp, micro["advantages"][:, :keep], mask,
                 a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
+                a.policy_loss.mode, None if is_weights is None else is_weights[:, :keep],
+                a.policy_loss.tau_pos, a.policy_loss.tau_neg, scale,
             )  # fmt: skip
-            entropy = agg_loss(ent, mask, a.loss_agg_mode)
-            # with no bonus the entropy is a metric only: left out of the graph, no backward
-            loss = pg - a.entropy_coeff * entropy if a.entropy_coeff else pg
+            entropy = agg_loss(ent, mask, a.loss_agg_mode, scale)
+            parts = [(pg, pg_agg)]
+            if a.entropy_coeff:  # with no bonus the entropy is a metric only: no backward
+                parts.append((-a.entropy_coeff * entropy, a.loss_agg_mode))
             stats = {"actor/pg_loss": pg, "actor/pg_clipfrac": clipfrac,
                      "actor/pg_clipfrac_lower": clip_lower, "actor/ppo_kl": ppo_kl,
                      "actor/entropy": entropy}  # fmt: skip
             if a.use_kl_loss:
                 kl = kl_penalty(logp, micro["ref_log_prob"][:, :keep], a.kl_loss_type)
-                stats["actor/kl_loss"] = agg_loss(kl, mask, a.loss_agg_mode)
-                loss = loss + a.kl_loss_coef * stats["actor/kl_loss"]
-            return loss, stats
+                stats["actor/kl_loss"] = agg_loss(kl, mask, a.loss_agg_mode, scale)
+                parts.append((a.kl_loss_coef * stats["actor/kl_loss"], a.loss_agg_mode))
+            return parts, stats
 
         metrics = ppo_updates(
             self.policy, self.optimizer, self.scheduler, batch, loss_fn, "actor",
             a.ppo_epochs, a.ppo_mini_batch_size // world_size(), a.ppo_micro_batch_size,
-            a.loss_agg_mode, a.optim.grad_clip,
+            a.optim.grad_clip,
         )  # fmt: skip
         self.weights_version += 1
         self.weights_run = self.cfg.trainer.run_id
@@ -336,63 +281,6 @@ def make_rollout(
     )
 
 
-def ppo_updates(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
-    batch: Batch,
-    loss_fn: Callable[[Batch, Batch, int], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-    prefix: str,
-    epochs: int,
-    mini_batch_size: int,
-    micro_batch_size: int,
-    loss_agg_mode: str,
-    grad_clip: float,
-) -> dict[str, float]:
-    """epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
-
-    `loss_fn(micro, trimmed micro, kept response length)` returns the micro-batch's loss and
-    its statistics; metrics are their means, plus `<prefix>/grad_norm` and `<prefix>/lr`.
-    """
-    sums: dict[str, list[float]] = defaultdict(list)
-    device = model_device(model)
-    model.train()
-    for _ in range(epochs):
-        for mini in batch.split(mini_batch_size):
-            weights = _micro_weights(mini, micro_batch_size, loss_agg_mode)
-            optimizer.zero_grad(set_to_none=True)
-            for micro, w in zip(mini.split(micro_batch_size), weights, strict=True):
-                small, keep, _ = trim(micro)
-                loss, stats = loss_fn(micro.to(device), small.to(device), keep)
-                (loss * w).backward()
-                for k, v in stats.items():
-                    sums[k].append(float(v.detach()))
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            sums[f"{prefix}/grad_norm"].append(to_float(grad_norm))
-            sums[f"{prefix}/lr"].append(scheduler.get_last_lr()[0])
-            optimizer.step()
-            scheduler.step()
-    model.eval()
-    return {k: sum(v) / len(v) for k, v in sums.items()}
-
-
-def _micro_weights(mini: Batch, micro_size: int, loss_agg_mode: str) -> list[float]:
-    """Loss weight of each micro-batch so that the accumulated gradient equals the gradient
-    of the mini-batch's loss: token share for token-mean, sequence share otherwise.
-
-    With several data-parallel ranks the share is of the *global* mini-batch (its counts are
-    summed over the ranks) times the world size, because FSDP averages the ranks' gradients."""
-    mask = mini["response_mask"]
-    if loss_agg_mode == "token-mean":
-        counts = [float(m.sum()) for m in mask.split(micro_size)]
-    elif loss_agg_mode == "seq-mean-token-mean":
-        counts = [float(m.any(-1).sum()) for m in mask.split(micro_size)]
-    else:
-        counts = [float(m.shape[0]) for m in mask.split(micro_size)]
-    total = all_reduce_sum(sum(counts)) or 1.0
-    return [c / total * world_size() for c in counts]
-
-
 class Critic:
     """Value model V(s_t) trained on the returns with a clipped value loss."""
 
@@ -403,11 +291,13 @@ class Critic:
         self.optimizer, self.scheduler = make_optimizer(
             list(self.model.parameters()), cfg.critic.optim
         )
-        self.log_prob_micro_batch_size = cfg.actor.log_prob_micro_batch_size
+        self.configure(cfg)
 
     def configure(self, cfg: HybridConfig) -> None:
         self.cfg = cfg.critic
         self.log_prob_micro_batch_size = cfg.actor.log_prob_micro_batch_size
+        # seq-mean-token-sum-norm's constant, as the actor's
+        self.loss_scale_factor = cfg.actor.loss_scale_factor or cfg.rollout.max_new_tokens
 
     def _values(self, mb: Batch) -> torch.Tensor:
         n = mb["response_mask"].shape[1]
@@ -426,22 +316,24 @@ class Critic:
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value regression onto the returns."""
-        c = self.cfg
+        c, scale = self.cfg, self.loss_scale_factor
 
-        def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[torch.Tensor, dict]:
+        def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
             vpreds = self._values(small)
             vf_loss, vf_clipfrac = value_loss(
                 vpreds, micro["values"][:, :keep], micro["returns"][:, :keep],
-                small["response_mask"], c.cliprange_value, c.loss_agg_mode,
+                small["response_mask"], c.cliprange_value, c.loss_agg_mode, scale,
             )  # fmt: skip
             vpred_mean = masked_mean(vpreds.detach(), small["response_mask"])
-            return vf_loss, {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac,
-                             "critic/vpred_mean": vpred_mean}  # fmt: skip
+            return [(vf_loss, c.loss_agg_mode)], {
+                "critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac,
+                "critic/vpred_mean": vpred_mean,
+            }  # fmt: skip
 
         return ppo_updates(
             self.model, self.optimizer, self.scheduler, batch, loss_fn, "critic",
             c.ppo_epochs, c.ppo_mini_batch_size // world_size(), c.ppo_micro_batch_size,
-            c.loss_agg_mode, c.optim.grad_clip,
+            c.optim.grad_clip,
         )  # fmt: skip
 
     def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:

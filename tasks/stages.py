@@ -105,10 +105,39 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
     if done := store.load_stage(step, "rollout"):
         return _result("rollout", step, done.uri, done.meta, True)
     start = time.perf_counter()
-    batch = engine.rollout(step)
+    if engine.cfg.algorithm.filter_groups.enabled:
+        batch = _dynamic_rollout(engine, store, step)
+    else:
+        batch = engine.rollout(step)
     meta = {"metrics": batch.meta["metrics"], "weights_version": engine.actor.weights_version}
+    if "gen_batches" in batch.meta:  # the prompts this step consumed, and where the next starts
+        meta |= {k: batch.meta[k] for k in ("gen_batches", "next_gen_batch")}
     meta["wall_s"] = time.perf_counter() - start
     return _result("rollout", step, store.commit_stage(step, "rollout", batch, meta), meta, False)
+
+
+def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
+    """DAPO dynamic sampling with each generation batch committed on its own
+    (`steps/<N>/rollout-gen<j>`), so a crash mid-step regenerates none of them. The step
+    starts after the generation batches of the step before (its committed rollout says)."""
+    first = 1
+    if step > 1:
+        before = store.load_stage(step - 1, "rollout")
+        if before is None or "next_gen_batch" not in before.meta:
+            raise StageOrderError(
+                f"step {step}: dynamic sampling starts after step {step - 1}'s generation "
+                "batches, but its committed rollout does not record them"
+            )
+        first = before.meta["next_gen_batch"]
+
+    def load(j: int) -> Any:
+        got = store.load_stage(step, f"rollout-gen{j}")
+        return None if got is None else got.batch
+
+    def save(j: int, part: Any) -> None:
+        store.commit_stage(step, f"rollout-gen{j}", part, {"gen_batch": part.meta["gen_batch"]})
+
+    return engine.sample(step, first, load, save)
 
 
 @stage_task

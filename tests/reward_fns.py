@@ -28,3 +28,14 @@ def returns_none(prompts, completions, rows):
 
 def returns_too_few(prompts, completions, rows):
     return [1.0]
+
+
+def half_solved(prompts, completions, rows):
+    """Prompts with an even answer: every sample scores 1 (a group with nothing to learn,
+    which dynamic sampling drops); odd answers: 1 for a completion of odd length, else 0."""
+    return [1.0 if int(row["ground_truth"]) % 2 == 0 else float(len(text) % 2)
+            for text, row in zip(completions, rows, strict=True)]  # fmt: skip
+
+
+def always_one(prompts, completions, rows):
+    return [1.0 for _ in completions]

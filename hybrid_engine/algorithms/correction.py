@@ -25,6 +25,7 @@ __all__ = [
     "parse_is_threshold",
     "parse_rejection",
     "rejection_mask",
+    "rollout_correction",
     "rollout_is_weights",
 ]
 
@@ -206,3 +207,36 @@ def correction_metrics(
         out["rollout_rs_masked_fraction"] = masked_mean(dropped.float(), m)
         out["rollout_rs_seq_masked_fraction"] = dropped.any(-1).float().mean()
     return {f"rollout_corr/{k}": float(v) for k, v in out.items()}
+
+
+@torch.no_grad()
+def rollout_correction(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str | None = "token",
+    threshold: float | str = 2.0,
+    batch_normalize: bool = False,
+    rejection_modes: str | None = None,
+    rejection_thresholds: float | str = "0.5_2.0",
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """What the advantage stage applies: (IS weights or None when ``level`` is None, the
+    response mask after rejection, metrics). Weights and rejection both read
+    log_ratio = old - rollout, the weights over the mask before rejection (as verl does)."""
+    if old_log_probs.shape != rollout_log_probs.shape:
+        raise ValueError(
+            f"old log-probs {tuple(old_log_probs.shape)} and rollout log-probs "
+            f"{tuple(rollout_log_probs.shape)} differ in shape"
+        )
+    log_ratio = old_log_probs - rollout_log_probs
+    weights = None
+    if level is not None:
+        weights = rollout_is_weights(log_ratio, response_mask, level, threshold, batch_normalize)
+    kept = response_mask
+    if rejection_modes is not None:
+        kept = rejection_mask(log_ratio, response_mask, rejection_modes, rejection_thresholds)
+    metrics = correction_metrics(
+        old_log_probs, rollout_log_probs, response_mask, weights,
+        kept if rejection_modes is not None else None,
+    )  # fmt: skip
+    return weights, kept, metrics

@@ -46,6 +46,7 @@ from hybrid_engine.config.training import (
     RolloutLayout,
     TinyModelConfig,
     ValSamplingConfig,
+    import_plugins,
 )
 
 __all__ = [
@@ -54,5 +55,5 @@ __all__ = [
     "OptimConfig", "PipelineConfig", "RayConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "RolloutLayout", "Section", "StorageConfig", "TinyModelConfig", "TrackingConfig",
     "TrainerConfig", "ValSamplingConfig", "config_from_dict", "config_reference", "flatten",
-    "load_config", "parse_overrides",
+    "import_plugins", "load_config", "parse_overrides",
 ]  # fmt: skip

@@ -8,8 +8,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 LossAggMode = Literal[
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]  # fmt: skip
 KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs
 from hybrid_engine.config.base import ConfigError, Section
 from hybrid_engine.config.root import _YAML_DATA, HybridConfig
 
@@ -136,4 +137,26 @@ def config_reference() -> str:
                 for name, f in HybridConfig.model_fields.items()}  # fmt: skip
     for name, section in defaults.items():
         walk(section, f"{name}.")
-    return "\n".join(lines).strip() + "\n"
+    return "\n".join(lines + registries_reference()).strip() + "\n"
+
+
+_NEEDS = {"values": "a critic", "index": "prompt groups (rollout.n ≥ 2)",
+          "reward_baselines": "a greedy rollout per prompt"}  # fmt: skip
+
+
+def registries_reference() -> list[str]:
+    """The registered estimators and policy losses as markdown tables, read from the
+    registries (with the plugins imported, a user's own appear too)."""
+    lines = ["", "**algorithm.adv_estimator**: the registered estimators", "",
+             "| name | needs | what |", "| --- | --- | --- |"]  # fmt: skip
+    for name in sorted(ADV_ESTIMATORS):
+        doc = (ADV_ESTIMATORS[name].__doc__ or "").strip().splitlines()[0]
+        needs = ", ".join(_NEEDS[n] for n in sorted(estimator_needs(name))) or "—"
+        lines.append(f"| `{name}` | {needs} | {doc} |")
+    lines += ["", "**actor.policy_loss.mode**: the registered policy losses", "",
+              "| name | reduces tokens by | what |", "| --- | --- | --- |"]  # fmt: skip
+    for name in sorted(POLICY_LOSSES):
+        spec = POLICY_LOSSES[name]
+        agg = f"`{spec.aggregation}` always" if spec.aggregation else "`actor.loss_agg_mode`"
+        lines.append(f"| `{name}` | {agg} | {spec.summary} |")
+    return lines

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from hybrid_engine.algorithms import estimator_needs
 from hybrid_engine.config.infra import (
     PipelineConfig,
     RayConfig,
@@ -25,6 +26,7 @@ from hybrid_engine.config.training import (
     RefConfig,
     RewardConfig,
     RolloutConfig,
+    import_plugins,
 )
 
 
@@ -53,6 +55,15 @@ class HybridConfig(BaseSettings):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: Any) -> Any:
+        """Register the plugins' estimators and losses before any name is checked."""
+        plugins = data.get("algorithm", {}).get("plugins") if isinstance(data, dict) else None
+        if isinstance(plugins, list):
+            import_plugins([str(m) for m in plugins])
+        return data
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -66,8 +77,19 @@ class HybridConfig(BaseSettings):
 
     # ------------------------------------------------------------ derived facts
     @property
+    def estimator_needs(self) -> frozenset[str]:
+        """What the estimator requires (from its registered signature): "values" (a
+        critic), "index" (prompt groups), "reward_baselines" (a greedy rollout)."""
+        return estimator_needs(self.algorithm.adv_estimator)
+
+    @property
     def use_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        return "values" in self.estimator_needs
+
+    @property
+    def greedy_baseline(self) -> bool:
+        """Each prompt also gets a greedy rollout whose reward is the baseline (ReMax)."""
+        return "reward_baselines" in self.estimator_needs
 
     @property
     def use_reference(self) -> bool:
@@ -114,7 +136,12 @@ class HybridConfig(BaseSettings):
                 f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be smaller "
                 f"than rollout.max_new_tokens={self.rollout.max_new_tokens}"
             )
-        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+        if self.algorithm.filter_groups.enabled and self.rollout.n < 2:
+            raise ValueError(
+                f"rollout.n={self.rollout.n}: algorithm.filter_groups keeps prompt groups whose "
+                "samples disagree, it needs rollout.n >= 2"
+            )
+        if "index" in self.estimator_needs and self.rollout.n < 2:
             raise ValueError(
                 f"rollout.n={self.rollout.n}: {self.algorithm.adv_estimator} compares samples "
                 "of one prompt, it needs rollout.n >= 2"

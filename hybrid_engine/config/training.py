@@ -3,11 +3,34 @@ rollout, reference, critic, reward and algorithm (estimator, KL, rollout correct
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
+from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
+from hybrid_engine.algorithms.correction import parse_is_threshold, parse_rejection
 from hybrid_engine.config.base import KLKind, LossAggMode, OptimConfig, Section
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import the modules named in `algorithm.plugins`: their decorators register estimators
+    and policy losses (in this process; pool workers call this too)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ValueError(f"algorithm.plugins: cannot import {name!r}: {e}") from None
+
+
+def _registered(key: str, kind: str, name: str, registry: dict[str, Any]) -> str:
+    if name not in registry:
+        raise ValueError(
+            f"{key}={name!r} is not a registered {kind}; registered: "
+            f"{', '.join(sorted(registry))} (register your own with a decorator in a module "
+            "listed in algorithm.plugins)"
+        )
+    return name
 
 
 class TinyModelConfig(Section):
@@ -83,6 +106,21 @@ class ActorLayout(Section):
     rollout: RolloutLayout = Field(default_factory=RolloutLayout)
 
 
+class PolicyLossConfig(Section):
+    """Which registered policy loss the actor minimises (the README lists them)."""
+
+    mode: str = Field(
+        "vanilla", description="registered policy loss: vanilla (PPO-clip), gspo, cispo, ..."
+    )
+    tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0")
+    tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where A <= 0")
+
+    @field_validator("mode")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        return _registered("actor.policy_loss.mode", "policy loss", name, POLICY_LOSSES)
+
+
 class ActorConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     layout: ActorLayout = Field(default_factory=ActorLayout)
@@ -94,8 +132,17 @@ class ActorConfig(Section):
         0.2, ge=0, description="PPO clip: ratio ≤ 1 + this (DAPO clip-higher: raise it)"
     )
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     loss_agg_mode: LossAggMode = Field(
-        "token-mean", description="how token losses average into one (token-mean = DAPO)"
+        "token-mean",
+        description="how token losses reduce to one (token-mean = DAPO; seq-mean-token-sum-norm "
+        "= Dr.GRPO); gspo, sapo and geo_mean always use their own",
+    )
+    loss_scale_factor: float | None = Field(
+        None,
+        gt=0,
+        description="seq-mean-token-sum-norm divides by this; None = rollout.max_new_tokens "
+        "(the padded response length)",
     )
     entropy_coeff: float = Field(0.0, description="entropy bonus weight in the policy loss")
     use_kl_loss: bool = Field(
@@ -190,8 +237,76 @@ class KLControlConfig(Section):
     )
 
 
+class RolloutCorrectionConfig(Section):
+    """Train/rollout mismatch correction (verl 0.9, decoupled): the rollout records its own
+    log-probs; the advantage stage compares them with the training log-probs and weights
+    (IS) or drops (rejection) tokens. Off unless `level` or `rejection_modes` is set."""
+
+    level: Literal["token", "sequence"] | None = Field(
+        None, description="importance weights per token or per sequence; None = no weights"
+    )
+    threshold: float | str = Field(
+        2.0, description="IS: a number truncates (TIS); 'lower_upper' zeroes outside (IcePop)"
+    )
+    batch_normalize: bool = Field(False, description="IS: rescale the weights to mean 1")
+    rejection_modes: str | None = Field(
+        None,
+        description="comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
+        "seq_max_k2/k3; None = no rejection",
+    )
+    rejection_thresholds: float | str = Field(
+        "0.5_2.0",
+        description="one per mode or one for all: k1 'lower_upper' ratio band, k2/k3 an upper "
+        "bound",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.level is not None or self.rejection_modes is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutCorrectionConfig:
+        if self.level is not None:
+            try:
+                parse_is_threshold(self.threshold)
+            except ValueError as e:
+                raise ValueError(f"algorithm.rollout_correction.threshold: {e}") from None
+        if self.rejection_modes is not None:
+            try:
+                parse_rejection(self.rejection_modes, self.rejection_thresholds)
+            except ValueError as e:
+                raise ValueError(f"algorithm.rollout_correction.rejection_*: {e}") from None
+        return self
+
+
+class FilterGroupsConfig(Section):
+    """DAPO dynamic sampling: train only on prompt groups whose samples disagree; roll out
+    further generation batches (the next prompts of the data order) until
+    data.train_batch_size such groups are found."""
+
+    enabled: bool = Field(False, description="drop prompt groups whose samples all agree")
+    metric: Literal["acc", "score"] = Field(
+        "acc",
+        description="what must vary within a group: acc (scorer says correct) or score "
+        "(scorer + overlong penalty)",
+    )
+    max_num_gen_batches: int = Field(
+        0, ge=0, description="generation batches per step at most; 0 = no limit"
+    )
+    on_exhausted: Literal["fail", "train"] = Field(
+        "fail",
+        description="at the limit with too few groups: fail (as verl's DAPO recipe) or train, "
+        "filling the batch with filtered-out groups",
+    )
+
+
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"] = Field(
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="modules imported before the config is checked (and in every pool worker) "
+        "whose decorators register more estimators or policy losses",
+    )
+    adv_estimator: str = Field(
         "grpo", description="registered advantage estimator (gae = PPO with a critic)"
     )
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")
@@ -204,3 +319,10 @@ class AlgorithmConfig(Section):
     )
     kl_penalty: KLKind = Field("kl", description="KL estimator of that penalty")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        return _registered("algorithm.adv_estimator", "advantage estimator", name, ADV_ESTIMATORS)

@@ -1,0 +1,80 @@
+"""DAPO dynamic sampling in the engine: only varied groups train, the data order is one
+stream consumed once, the limit fails or fills as configured."""
+
+import pytest
+import torch
+
+from hybrid_engine.config import load_config
+from hybrid_engine.dynamic_sampling import DynamicSamplingExhausted, concat_rollouts
+from hybrid_engine.trainer import Engine
+
+ON = ["reward.function=reward_fns:half_solved", "algorithm.filter_groups.enabled=true"]
+
+
+def groups(batch):
+    out = {}
+    for uid, acc in zip(batch["uid"], batch["acc"].tolist(), strict=True):
+        out.setdefault(uid, []).append(acc)
+    return out
+
+
+def test_only_varied_groups_train_and_the_next_step_starts_after_them():
+    engine = Engine(load_config("configs/grpo_tiny.yaml", ON))
+    b1 = engine.sample(1)
+    g1 = b1.meta["gen_batches"]
+    assert g1 == list(range(1, len(g1) + 1)) and len(g1) >= 2  # half the groups are solved
+    assert len(b1) == 16 and len(groups(b1)) == 4
+    assert all(max(v) != min(v) for v in groups(b1).values())  # every kept group varies
+    assert all(uid.split("-")[0] in {str(g) for g in g1} for uid in b1["uid"])
+    m = b1.meta["metrics"]
+    assert m["dynamic_sampling/gen_batches"] == len(g1)
+    assert m["dynamic_sampling/prompts_consumed"] == 4 * len(g1)
+    assert m["dynamic_sampling/kept_groups"] >= 4 and m["dynamic_sampling/trained_groups"] == 4
+    # samples of a group stay consecutive (shared prefill and packing rely on it)
+    uids = b1["uid"]
+    assert all(uids[i] == uids[i - i % 4] for i in range(16))
+    # the reward stage keeps the scores it was given; the step trains
+    assert torch.equal(engine.reward(b1)["token_level_scores"], b1["token_level_scores"])
+    engine.update(engine.advantage(b1))
+    b2 = engine.sample(2)
+    assert b2.meta["gen_batches"][0] == g1[-1] + 1  # no prompt consumed twice, none skipped
+
+
+def test_generation_batches_of_different_widths_concatenate():
+    engine = Engine(load_config("configs/grpo_tiny.yaml", ON))
+    a, b = (engine.reward(engine.rollout(1, g)) for g in (1, 2))
+    b = b.take(list(range(len(b))))
+    b["response_ids"], b["response_mask"] = b["response_ids"][:, :3], b["response_mask"][:, :3]
+    for k in ("token_level_scores",):
+        b[k] = b[k][:, :3]
+    both = concat_rollouts([a, b], engine.tokenizer.pad_token_id)
+    width = a["response_ids"].shape[1]
+    assert both["response_ids"].shape == (32, width)
+    assert (both["response_ids"][16:, 3:] == engine.tokenizer.pad_token_id).all()
+    assert (both["response_mask"][16:, 3:] == 0).all()
+    # prompts left-padded to the wider of the two: a's rows end exactly as before
+    wide = a["input_ids"].shape[1]
+    assert torch.equal(both["input_ids"][:16, -wide:], a["input_ids"])
+    assert (both["attention_mask"][:16, :-wide] == 0).all()
+
+
+def test_the_limit_fails_by_default_or_fills_the_batch():
+    solved = ["reward.function=reward_fns:always_one", "algorithm.filter_groups.enabled=true",
+              "algorithm.filter_groups.max_num_gen_batches=2"]  # fmt: skip
+    engine = Engine(load_config("configs/grpo_tiny.yaml", solved))
+    with pytest.raises(DynamicSamplingExhausted, match="2 generation batches.*0 of the 4"):
+        engine.sample(1)
+    engine = Engine(load_config("configs/grpo_tiny.yaml",
+                                [*solved, "algorithm.filter_groups.on_exhausted=train"]))  # fmt: skip
+    batch = engine.sample(1)
+    assert len(batch) == 16 and batch.meta["gen_batches"] == [1, 2]
+    assert batch.meta["metrics"]["dynamic_sampling/kept_groups"] == 0
+    assert {u.split("-")[0] for u in batch["uid"]} == {"1"}  # filled in generation order
+
+
+def test_filtering_needs_groups():
+    from hybrid_engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="filter_groups.*rollout.n >= 2"):
+        load_config("configs/grpo_tiny.yaml", [*ON, "rollout.n=1", "actor.ppo_mini_batch_size=4",
+                                               "algorithm.adv_estimator=reinforce_plus_plus"])  # fmt: skip
