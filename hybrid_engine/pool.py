@@ -169,6 +169,7 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
         "model": cfg.model.model_dump(),
         "actor.layout": cfg.actor.layout.model_dump(),
         "actor.optim": cfg.actor.optim.model_dump(),
+        "actor.lora": cfg.actor.lora.model_dump(),
         "critic": cfg.use_critic and {
             "model_path": cfg.critic.model_path, "optim": cfg.critic.optim.model_dump(),
             "placement": cfg.ray.critic, "dp": cfg.ray.critic_dp,
@@ -434,7 +435,7 @@ class RoleProxy:
 
 INPUT_KEYS = ("input_ids", "attention_mask", "response_mask")
 TRAIN_KEYS = INPUT_KEYS + (
-    "advantages", "returns", "values", "old_log_probs", "ref_log_prob",
+    "advantages", "returns", "values", "old_log_probs", "ref_log_prob", "rollout_is_weights",
 )  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL_TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
 # ------------------------------------------------------------------ process group
@@ -169,9 +170,14 @@ class RolloutWeights:
 
 
 # ------------------------------------------------------------------------ state
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU weights; every rank must call it, rank 0 receives them."""
-    return get_model_state_dict(model, options=FULL)
+def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU weights (only those that train, with `trainable_only`: LoRA's
+    adapters); every rank must call it, rank 0 receives them."""
+    if not trainable_only:
+        return get_model_state_dict(model, options=FULL)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    state = get_model_state_dict(model, options=FULL_TRAINABLE)
+    return {k: v for k, v in state.items() if k in names}  # a tied frozen alias slips through
 
 
 def _dedup(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -217,12 +223,15 @@ def save_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     extra: dict,
     storage_options: dict | None = None,
+    trainable_only: bool = False,
 ) -> dict[str, str]:
     """Write `model.safetensors`, `optim.safetensors`, `state.json` (rank 0) and
     `rng_rank<r>.safetensors` (every rank) under `url`. All ranks must call it.
+    With `trainable_only` the weights file holds only the parameters that train (LoRA: the
+    adapters; the frozen base is rebuilt from the model's source).
     Returns {file name: sha256} of what this rank wrote."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    weights = full_state_dict(model)
+    weights = full_state_dict(model, trainable_only)
     optim = get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer else None
 
     def write(name: str, data: bytes) -> None:
@@ -267,8 +276,10 @@ def load_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     storage_options: dict | None = None,
     expected: dict[str, str] | None = None,
+    trainable_only: bool = False,
 ) -> dict:
     """Read what `save_state` wrote into this rank's layout; returns the saved `extra`.
+    With `trainable_only` only the parameters that train are read (and required).
 
     Every rank reads the full files and keeps its own shards, so no collective is needed
     and any rank count can load any save. With `expected` ({file name: sha256}) every file
@@ -286,7 +297,7 @@ def load_state(
         rng = st_load(read(f"rng_rank{rank}.safetensors"))["torch"]
     for alias, target in doc["aliases"].items():
         weights[alias] = weights[target]
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
     missing = sorted(params.keys() - weights.keys())
     if missing:
         raise ValueError(f"{url}/model.safetensors lacks {missing[:5]} (another model?)")

@@ -328,15 +328,24 @@ class Engine:
         metrics = {**batch.meta.get("metrics", {}), **metrics}
         return Batch(meta={"step": batch.meta.get("step"), "metrics": metrics})
 
-    def policy(self) -> torch.nn.Module:
-        """The current policy as a plain HF module in this process (for saving)."""
-        if self.pool is None:
-            return self.actor.policy
+    def export(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
+        """The current policy as a plain HF module in this process (for saving), and with
+        LoRA the full state dict whose adapter tensors `lora.adapter_files` writes (the
+        module then holds the adapters merged into the base weights)."""
+        lora = self.cfg.actor.lora
+        if self.pool is None and not lora.rank:
+            return self.actor.policy, None
+        from hybrid_engine.lora import lora_config, merged_state_dict
         from hybrid_engine.models import load_policy
 
+        state = self.actor.full_state_dict()
         model = load_policy(self.cfg.model, self.tokenizer, self.cfg.trainer.seed)
-        model.load_state_dict(self.actor.full_state_dict())
-        return model
+        if not lora.rank:
+            model.load_state_dict(state)
+            return model, None
+        config = lora_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+        model.load_state_dict(merged_state_dict(state, config))
+        return model, state
 
     # ----------------------------------------------------------------- driver
     def step(self, step: int) -> dict[str, float]:

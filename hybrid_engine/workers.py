@@ -25,6 +25,7 @@ from hybrid_engine.algorithms.losses import agg_loss, loss_aggregation, policy_l
 from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import CriticConfig, HybridConfig
+from hybrid_engine.lora import adapters_disabled, add_lora, lora_config
 from hybrid_engine.models import (
     load_critic,
     load_policy,
@@ -85,8 +86,13 @@ class ActorRolloutRef:
     def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.cfg = cfg
         self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed).to(cfg.device)
+        lora = cfg.actor.lora
+        self.lora = None  # with LoRA the frozen base is the reference: no copy of the weights
+        if lora.rank:
+            self.lora = lora_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+            add_lora(self.policy, self.lora, cfg.trainer.seed)
         self.ref = None
-        if cfg.use_reference:
+        if cfg.use_reference and self.lora is None:
             self.ref = shard_model(copy.deepcopy(self.policy).requires_grad_(False))
         # hf generates from a module in rollout layout; vLLM holds its own copy of the weights
         self.rollout_weights = None
@@ -98,9 +104,9 @@ class ActorRolloutRef:
         if self.rollout_weights is not None:
             self.rollout_weights.bind()
         self.pushed_version = -1  # the weights version the vLLM engine holds
-        # The optimizer sees the training layout's parameters (this rank's shards).
+        # The optimizer sees the training layout's parameters that train (this rank's shards).
         self.optimizer, self.scheduler = make_optimizer(
-            list(self.policy.parameters()), cfg.actor.optim
+            [p for p in self.policy.parameters() if p.requires_grad], cfg.actor.optim
         )
         module = self.rollout_weights.module if self.rollout_weights else self.policy
         self.rollout = make_rollout(cfg, module, tokenizer)
@@ -154,6 +160,9 @@ class ActorRolloutRef:
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.lora is not None:  # the reference is the base: the policy, adapters off
+            with adapters_disabled(self.policy):
+                return self._log_probs(self.policy, batch, "ref_log_prob", entropy=False)
         if self.ref is None:
             raise RuntimeError("no reference model: set actor.use_kl_loss or use_kl_in_reward")
         return self._log_probs(self.ref, batch, "ref_log_prob", entropy=False)
@@ -225,16 +234,16 @@ class ActorRolloutRef:
         """Weights, optimizer, scheduler and RNG state under `url` (all ranks call it);
         returns {file name: sha256} of what this rank wrote."""
         extra = {"weights_version": self.weights_version, "weights_run": self.weights_run}
-        return save_state(url, self.policy, self.optimizer, self.scheduler, extra, storage_options)
+        return save_state(url, self.policy, self.optimizer, self.scheduler, extra,
+                          storage_options, trainable_only=self.lora is not None)  # fmt: skip
 
     def load(
         self, url: str, storage_options: dict | None = None, expected: dict | None = None
     ) -> int:
         """Restore what `save` wrote (checked against `expected` sha256 sums when given);
         returns the restored weights version."""
-        extra = load_state(
-            url, self.policy, self.optimizer, self.scheduler, storage_options, expected
-        )
+        extra = load_state(url, self.policy, self.optimizer, self.scheduler, storage_options,
+                           expected, trainable_only=self.lora is not None)  # fmt: skip
         self.weights_version = int(extra["weights_version"])
         self.weights_run = extra.get("weights_run")
         self.pushed_version = -1
@@ -243,7 +252,8 @@ class ActorRolloutRef:
         return self.weights_version
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's full weights on rank 0 ({} elsewhere); all ranks must call it."""
+        """The policy's full weights on rank 0 ({} elsewhere), with LoRA's adapter tensors
+        beside the base layers they adapt; all ranks must call it."""
         return full_state_dict(self.policy)
 
     def rollout_progress(self) -> dict[str, float] | None:
@@ -257,6 +267,7 @@ class ActorRolloutRef:
             "weights_run": self.weights_run,
             "sharded": is_sharded(self.policy),
             "local_params": local_numel(self.policy),
+            "trainable_params": sum(p.numel() for p in self.policy.parameters() if p.requires_grad),
             "rollout_shares_storage": bool(rw and rw.shares_storage),
             "last_reshard_s": rw.gather_seconds if rw else None,
         }

@@ -1,6 +1,7 @@
 """The end of a run: `<root>/<run_id>/final/` holds the trained policy (Hugging Face
 safetensors + tokenizer) and `summary.json` (resolved config, per-step metrics), committed
-like a stage."""
+like a stage. A LoRA run's policy there has the adapters merged in, and `final/adapter/`
+holds the adapter alone as peft saves it (`PeftModel.from_pretrained(base, "final/adapter")`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybrid_engine.config import HybridConfig
+from hybrid_engine.lora import adapter_files, lora_config
 from storage.store import RunStore
 
 FINAL = "final"
@@ -36,8 +38,10 @@ def save_final(
     tokenizer: PreTrainedTokenizerBase,
     cfg: HybridConfig,
     rows: list[dict[str, Any]],
+    adapter_state: dict[str, Any] | None = None,
 ) -> str:
-    """Write and commit `final/` (model, tokenizer, summary.json); returns its URI."""
+    """Write and commit `final/` (model, tokenizer, summary.json, and `adapter/` from the
+    adapter tensors of `adapter_state`); returns its URI."""
     summary = {
         "run_id": store.run_id,
         "config": cfg.model_dump(mode="json"),
@@ -48,6 +52,11 @@ def save_final(
     with tempfile.TemporaryDirectory(prefix="hybridrl-final-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if adapter_state is not None:
+            lora = cfg.actor.lora
+            config = lora_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+            config.base_model_name_or_path = cfg.model.path
+            adapter_files(f"{tmp}/adapter", adapter_state, config)
         with open(f"{tmp}/summary.json", "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
         files = store.put_dir(tmp, FINAL)

@@ -301,9 +301,12 @@ class RunStore:
 
     # ----------------------------------------------------------------- final
     def put_dir(self, local_dir: str, rel: str) -> dict[str, str]:
-        """Upload a local directory's files under `rel`; returns {file name: sha256}."""
+        """Upload a local directory's files (and its folders' files) under `rel`; returns
+        {path relative to `rel`: sha256}."""
         files = {}
-        for name in sorted(os.listdir(local_dir)):
-            with open(os.path.join(local_dir, name), "rb") as f:
-                files[name] = self.put(f"{rel}/{name}", f.read())
+        for folder, _, names in sorted(os.walk(local_dir)):
+            for name in sorted(names):
+                path = os.path.relpath(os.path.join(folder, name), local_dir)
+                with open(os.path.join(folder, name), "rb") as f:
+                    files[path] = self.put(f"{rel}/{path}", f.read())
         return files

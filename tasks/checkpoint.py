@@ -108,5 +108,6 @@ def finish(engine: Engine, store: RunStore) -> dict[str, Any]:
     """The trained policy and summary.json under final/ (skipped when committed)."""
     rows = history(store, engine.cfg.trainer.total_training_steps)
     if store.marker(FINAL) is None:
-        save_final(store, engine.policy(), engine.tokenizer, engine.cfg, rows)
+        model, adapter_state = engine.export()
+        save_final(store, model, engine.tokenizer, engine.cfg, rows, adapter_state)
     return {"uri": store.uri(FINAL), "steps": len(rows), "last": rows[-1] if rows else {}}

@@ -49,18 +49,37 @@ def _describe(err: ValidationError) -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> HybridConfig:
     """Build the config from a YAML preset, the environment, and dotted overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    data = read_preset(path) if path is not None else {}
     return config_from_dict(data, overrides)
+
+
+def read_preset(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML preset as a dict. `extends: other.yaml` (relative to this file) starts from that
+    preset: this file's keys replace its keys, section by section, at any depth."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    if p.resolve() in _seen:
+        raise ConfigError(f"config file {str(p)!r} extends itself (through {_seen[-1].name})")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config file {str(p)!r}: extends must be a file name, got {base!r}")
+    return _merge(read_preset(p.parent / base, (*_seen, p.resolve())), data)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> HybridConfig:

@@ -221,6 +221,11 @@ class HybridConfig(BaseSettings):
                 raise ValueError(
                     "actor.layout.rollout.separate_copy applies to the hf rollout only"
                 )
+            if self.actor.lora.rank:
+                raise ValueError(
+                    f"actor.lora.rank={self.actor.lora.rank} with rollout.name=vllm: pushing "
+                    "LoRA weights to vLLM is not built; use rollout.name=hf"
+                )
         return self
 
 

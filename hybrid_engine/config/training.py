@@ -121,6 +121,20 @@ class PolicyLossConfig(Section):
         return _registered("actor.policy_loss.mode", "policy loss", name, POLICY_LOSSES)
 
 
+class LoraSettings(Section):
+    """LoRA adapters on the policy (peft): only the adapters train, the frozen base is also
+    the reference policy, checkpoints hold only the adapters. rank 0 = full fine-tuning."""
+
+    rank: int = Field(0, ge=0, description="adapter rank r; 0 = off (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0, description="scaling: the update is alpha / r * B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"],
+        description="names of the linear layers that get adapters",
+    )  # fmt: skip
+
+
 class ActorConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     layout: ActorLayout = Field(default_factory=ActorLayout)
@@ -133,6 +147,7 @@ class ActorConfig(Section):
     )
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
     loss_agg_mode: LossAggMode = Field(
         "token-mean",
         description="how token losses reduce to one (token-mean = DAPO; seq-mean-token-sum-norm "

@@ -56,3 +56,35 @@ def test_killed_after_the_second_generation_batch_resumes_exactly(tmp_path, pref
         assert torch.equal(w[k], w_ref[k]), f"{k} differs from the uninterrupted run"
     assert comparable(hist) == comparable(hist_ref)
     assert hist[-1]["dynamic_sampling/trained_groups"] == 4
+
+
+def test_lora_killed_after_a_checkpoint_resumes_exactly_from_the_adapters(tmp_path, prefect_api):
+    """Killed in step 4's update: the resume loads the adapter-only checkpoint of step 2 onto
+    the rebuilt base, replays step 3's update from storage and ends like the uninterrupted
+    run; the final policy is the merged model, the adapter is saved beside it."""
+    root = str(tmp_path)
+    fs = fs_for(root, None)
+    lora = [*ARGS, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2"]
+    for run, fault in (("ref", None), ("chain", "step-4/update:before_commit=kill")):
+        rc, out = driver(["train", "configs/grpo_tiny.yaml", *lora, f"storage.root={root}",
+                          "--run-id", run], prefect_api, fault=fault)  # fmt: skip
+        assert rc == (0 if fault is None else -signal.SIGKILL), out
+    ckpt = load_file_bytes(fs, f"{root}/chain/checkpoints/step_2/actor/model.safetensors")
+    assert ckpt and all(".lora_" in k for k in ckpt)
+    rc, out = driver(["resume", "chain", f"storage.root={root}"], prefect_api)
+    assert rc == 0, out
+    assert "loaded checkpoint step_2" in out and "replaying 1 committed update" in out
+    (w, hist), (w_ref, hist_ref) = final_state(fs, f"{root}/chain"), final_state(fs, f"{root}/ref")
+    assert not any("lora" in k for k in w)  # the merged plain model
+    for k in w_ref:
+        assert torch.equal(w[k], w_ref[k]), f"{k} differs from the uninterrupted run"
+    assert comparable(hist) == comparable(hist_ref)
+    adapter = load_file_bytes(fs, f"{root}/chain/final/adapter/adapter_model.safetensors")
+    assert adapter and all(k.startswith("base_model.model.") for k in adapter)
+    assert fs.exists(f"{root}/chain/final/adapter/adapter_config.json")
+
+
+def load_file_bytes(fs, path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(fs.cat_file(path))
