@@ -1,0 +1,135 @@
+"""The Ray cluster the pool runs on: an existing one (`ray.address` / `$RAY_ADDRESS`) or a
+local head started as a background process (`ray start --head` on 127.0.0.1), its address and
+temp dir recorded in `<state dir>/head.json` so that it and the actors on it outlive the
+driver that started it; `stop_local_head` ends it and every process it started."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import ray
+
+from hybrid_engine import RAY_ENV
+from hybrid_engine.config import HybridConfig
+from hybrid_engine.models import cache_dir
+
+
+class PoolError(RuntimeError):
+    """The pool cannot serve the request (mismatch, missing or dead worker, timeout)."""
+
+
+# ---------------------------------------------------------------------- the local head
+def state_dir() -> Path:
+    return Path(os.environ.get("HYBRIDRL_RAY_STATE") or cache_dir() / "ray").expanduser()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(address: str, timeout: float = 1.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str | None:
+    """Address of this machine's hybridrl head; started in the background if `start`."""
+    state = state_dir() / "head.json"
+    if state.is_file():
+        info = json.loads(state.read_text())
+        if _port_open(info["address"]):
+            return info["address"]
+        stop_local_head()  # stale: its processes are gone or half gone
+    if not start:
+        return None
+    port = _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="hrl-ray-", dir="/tmp")  # short: socket paths <108 B
+    cmd = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+        "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--disable-usage-stats",
+        "--include-dashboard=false", f"--dashboard-port={_free_port()}", f"--temp-dir={temp_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, **RAY_ENV}
+    env.pop("HYBRIDRL_FAULT", None)  # crash points are the driver's (storage/faults.py)
+    # its own session: the head outlives the driver, and Ctrl-C (SIGINT to the terminal's
+    # process group) or a kill of the driver's group does not reach it
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          start_new_session=True)  # fmt: skip
+    if proc.returncode != 0:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise PoolError(f"`ray start --head` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    address = f"127.0.0.1:{port}"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"address": address, "temp_dir": temp_dir}))
+    return address
+
+
+def _head_processes(temp_dir: str) -> list[psutil.Process]:
+    """The head's daemons (their command lines name its temp dir) and their children."""
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in a for a in p.info["cmdline"] or []):
+                found[p.pid] = p
+                for c in p.children(recursive=True):
+                    found[c.pid] = c
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return list(found.values())
+
+
+def stop_local_head() -> bool:
+    """Stop the head recorded in the state dir (only its own processes). True if one was."""
+    state = state_dir() / "head.json"
+    if not state.is_file():
+        return False
+    info = json.loads(state.read_text())
+    if ray.is_initialized():
+        ray.shutdown()
+    procs = _head_processes(info["temp_dir"])
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    shutil.rmtree(info["temp_dir"], ignore_errors=True)
+    state.unlink(missing_ok=True)
+    return True
+
+
+def connect(cfg: HybridConfig, start: bool = True) -> str | None:
+    """Join the configured cluster, else the local head (started if `start`)."""
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        address = local_head(start, cfg.ray.head_num_cpus, cfg.ray.start_timeout_s)
+        if address is None:
+            return None
+    if not ray.is_initialized():
+        local = address.startswith("127.0.0.1:")
+        ray.init(
+            address=address,
+            namespace="hybridrl",
+            log_to_driver=False,
+            logging_level="WARNING",
+            _node_ip_address="127.0.0.1" if local else None,
+        )
+    return address
