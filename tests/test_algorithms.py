@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from hand import T, close
 
 from hybrid_engine.algorithms import ADV_ESTIMATORS, get_adv_estimator, register_adv_estimator
 from hybrid_engine.algorithms.advantages import (
@@ -23,15 +24,6 @@ from hybrid_engine.algorithms.kl import (
 )
 from hybrid_engine.algorithms.losses import policy_loss, value_loss
 from hybrid_engine.algorithms.utils import masked_mean, masked_var, masked_whiten
-
-
-def T(x, dtype=torch.float32):
-    return torch.tensor(x, dtype=dtype)
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(actual, T(expected), atol=atol, rtol=0)
-
 
 # --------------------------------------------------------------------------- masked helpers
 

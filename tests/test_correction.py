@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from hand import T, close
 
 from hybrid_engine.algorithms.correction import (
     correction_metrics,
@@ -11,15 +12,6 @@ from hybrid_engine.algorithms.correction import (
     rejection_mask,
     rollout_is_weights,
 )
-
-
-def T(x):
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(actual, T(expected), atol=atol, rtol=0)
-
 
 LN = math.log
 # log pi_old - log pi_rollout; row 0 has a padding position holding a huge ratio
@@ -71,7 +63,9 @@ def test_rejection_specs_are_checked_by_name():
     }  # fmt: skip
     with pytest.raises(ValueError, match="unknown rejection mode 'seq_max_k1'"):
         parse_rejection("seq_max_k1", 2.0)
-    with pytest.raises(ValueError, match="'0.1_2' for token_k2: expected one upper bound"):
+    with pytest.raises(
+        ValueError, match="threshold for token_k2 '0.1_2': expected one upper bound"
+    ):
         parse_rejection("token_k2", "0.1_2")
     with pytest.raises(ValueError, match="one for all modes or one per mode"):
         parse_rejection("token_k1,token_k2,token_k3", "2,3")

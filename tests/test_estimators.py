@@ -3,6 +3,7 @@ and the registry as the one source of what an estimator needs."""
 
 import pytest
 import torch
+from hand import T, close
 
 from hybrid_engine.algorithms.advantages import (
     ADV_ESTIMATORS,
@@ -14,14 +15,6 @@ from hybrid_engine.algorithms.advantages import (
     register_adv_estimator,
     reinforce_plus_plus_baseline,
 )
-
-
-def T(x):
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(actual, T(expected), atol=atol, rtol=0)
 
 
 def outcome(scores, lengths, width=3):

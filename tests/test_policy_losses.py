@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from hand import T, close
 
 from hybrid_engine.algorithms.losses import (
     POLICY_LOSSES,
@@ -18,14 +19,6 @@ from hybrid_engine.algorithms.losses import (
     register_policy_loss,
 )
 from hybrid_engine.models import head_log_probs
-
-
-def T(x):
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(actual, T(expected), atol=atol, rtol=0)
 
 
 def run(loss_mode, old, d, adv, mask, **kw):

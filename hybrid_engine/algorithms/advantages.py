@@ -169,6 +169,12 @@ def _scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> t
     return torch.where(response_mask.bool(), _as_float(token_level_rewards), 0.0).sum(-1)
 
 
+def _broadcast(adv: torch.Tensor, response_mask: torch.Tensor) -> AdvOut:
+    """A per-sample advantage on every token of its response; returns = advantages."""
+    advantages = torch.where(response_mask.bool(), adv[:, None], 0.0)
+    return advantages, advantages
+
+
 @register_adv_estimator("gae")
 @torch.no_grad()
 def gae(
@@ -226,8 +232,7 @@ def grpo(
     adv = scores - mean
     if norm_by_std:
         adv = adv / (torch.where(single, 1.0, std) + epsilon)
-    advantages = torch.where(response_mask.bool(), adv[:, None], 0.0)
-    return advantages, advantages
+    return _broadcast(adv, response_mask)
 
 
 @register_adv_estimator("rloo")
@@ -245,8 +250,7 @@ def rloo(
     scores = _scores(token_level_rewards, response_mask)
     n, mean, _ = _group_stats(scores, index)
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
-    advantages = torch.where(response_mask.bool(), adv[:, None], 0.0)
-    return advantages, advantages
+    return _broadcast(adv, response_mask)
 
 
 @register_adv_estimator("reinforce_plus_plus")
@@ -290,11 +294,6 @@ def remax(
     returns = torch.where(keep, returns, 0.0)
     baseline = reward_baselines.to(rewards).reshape(-1, 1)
     return torch.where(keep, returns - baseline, 0.0), returns
-
-
-def _broadcast(adv: torch.Tensor, response_mask: torch.Tensor) -> AdvOut:
-    advantages = torch.where(response_mask.bool(), adv[:, None], 0.0)
-    return advantages, advantages
 
 
 @register_adv_estimator("grpo_passk")

@@ -39,19 +39,28 @@ REJECTION_MODES = (
 )  # fmt: skip
 
 
+def _band(spec: float | str, what: str, band: bool = True) -> tuple[float | None, float]:
+    """(lower, upper) from "lower_upper" (when `band`) or one number (lower None), checked
+    0 < lower <= upper; the error names `what`."""
+    if isinstance(spec, bool):
+        raise ValueError(f"{what}: expected a number, got {spec!r}")
+    lower_s, sep, upper_s = str(spec).strip().partition("_")
+    form = "a number or 'lower_upper'" if band else "one upper bound"
+    try:
+        if sep and not band:
+            raise ValueError
+        upper, lower = (float(upper_s), float(lower_s)) if sep else (float(lower_s), None)
+    except ValueError:
+        raise ValueError(f"{what} {spec!r}: expected {form}") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"{what} {spec!r}: need 0 < lower <= upper")
+    return lower, upper
+
+
 def parse_is_threshold(threshold: float | str) -> tuple[float, float | None]:
     """(upper, lower): a number or "2.0" truncates at upper (TIS, lower None); "0.5_2.0"
     keeps weights inside [lower, upper] and zeroes the rest (IcePop)."""
-    if isinstance(threshold, bool):
-        raise ValueError(f"IS threshold must be a number or 'lower_upper', got {threshold!r}")
-    spec = str(threshold).strip()
-    lower_s, sep, upper_s = spec.partition("_")
-    try:
-        upper, lower = (float(upper_s), float(lower_s)) if sep else (float(spec), None)
-    except ValueError:
-        raise ValueError(f"IS threshold {threshold!r} is not a number or 'lower_upper'") from None
-    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-        raise ValueError(f"IS threshold {threshold!r}: need 0 < lower <= upper")
+    lower, upper = _band(threshold, "IS threshold")
     return upper, lower
 
 
@@ -76,21 +85,9 @@ def parse_rejection(modes: str, thresholds: float | str) -> dict[str, tuple[floa
     specs = specs * len(names) if len(specs) == 1 else specs
     out: dict[str, tuple[float | None, float]] = {}
     for name, spec in zip(names, specs, strict=True):
-        lower_s, sep, upper_s = spec.partition("_")
-        try:
-            if name.endswith("k1"):
-                upper = float(upper_s if sep else spec)
-                lower = float(lower_s) if sep else 1.0 / upper
-            elif sep:
-                raise ValueError
-            else:
-                upper, lower = float(spec), None
-        except (ValueError, ZeroDivisionError):
-            form = "'lower_upper' or one ratio" if name.endswith("k1") else "one upper bound"
-            raise ValueError(f"rejection threshold {spec!r} for {name}: expected {form}") from None
-        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-            raise ValueError(f"rejection threshold {spec!r} for {name}: need 0 < lower <= upper")
-        out[name] = (lower, upper)
+        k1 = name.endswith("k1")
+        lower, upper = _band(spec, f"rejection threshold for {name}", band=k1)
+        out[name] = (1.0 / upper if k1 and lower is None else lower, upper)
     return out
 
 
