@@ -1,5 +1,6 @@
 """GPU check of the `hf` engine path: decode, the fused LM-head log-probs, packing, and the
-actor worker (generate + PPO update) on CUDA, with its speed at two batch shapes.
+actor worker (generate + PPO update) on CUDA, with its speed at two batch shapes; then one
+LoRA update and one GSPO update of the actor worker in bf16.
 
     python bench/gpu_check.py --assets DIR [--json FILE] [--cpu]
 
@@ -134,8 +135,11 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     return out
 
 
-def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int) -> dict:  # noqa: ANN001
-    """Build the actor on CUDA, then per round: generate, score, GRPO advantages, update."""
+def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # noqa: ANN001
+              extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """Build the actor on CUDA, then per round: generate, score, GRPO advantages, update.
+    `extra` overrides make a recipe of it (LoRA, GSPO): then the old log-probs are computed
+    up front and the update takes two optimizer steps, so the second one is off-policy."""
     from hybrid_engine.algorithms.advantages import compute_advantage
     from hybrid_engine.config import load_config
     from hybrid_engine.data import prompt_batch
@@ -150,6 +154,7 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int) -> d
         f"rollout.max_new_tokens={new_tokens}", f"rollout.micro_batch_size={rows}",
         f"actor.ppo_mini_batch_size={rows}", f"actor.ppo_micro_batch_size={min(rows, 64)}",
         f"actor.log_prob_micro_batch_size={min(rows, 64)}",
+        *([f"actor.ppo_mini_batch_size={rows // 2}"] if extra else []), *extra,
     ])  # fmt: skip
     assert cfg.device == DEVICE
     if DEVICE == "cuda":
@@ -177,6 +182,10 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int) -> d
         adv, _ = compute_advantage("grpo", token_level_rewards=scores, response_mask=mask,
                                    index=uid)  # fmt: skip
         out["advantages"] = adv
+        if extra:
+            out = out.union(actor.compute_log_prob(out))
+            if cfg.use_reference:
+                out = out.union(actor.compute_ref_log_prob(out))
         sync()
         start = time.perf_counter()
         metrics = actor.update_actor(out)
@@ -186,6 +195,9 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int) -> d
                         "grad_norm": metrics["actor/grad_norm"]})  # fmt: skip
     moved = sum(float((a.float() - b.detach().float()).abs().max()) for a, b in
                 zip(before, actor.policy.parameters(), strict=True))  # fmt: skip
+    frozen_moved = sum(float((a.float() - b.detach().float()).abs().max()) for a, b in
+                       zip(before, actor.policy.parameters(), strict=True)
+                       if not b.requires_grad)  # fmt: skip
     finite = all(bool(torch.isfinite(p).all()) for p in actor.policy.parameters())
 
     # plain `generate` at the same batch: the rollout baseline
@@ -209,6 +221,7 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int) -> d
     measured = timings[1:]
     return {
         "dtype": dtype, "prompts": prompts, "samples": n, "new_tokens": new_tokens,
+        "overrides": list(extra), "frozen_weights_moved": frozen_moved,
         "gen_s": [round(t["gen_s"], 3) for t in measured],
         "rollout_tok_s": [round(t["tokens"] / t["gen_s"]) for t in measured],
         "update_s": [round(t["update_s"], 3) for t in measured],
@@ -270,6 +283,26 @@ def main() -> None:
                 failed.append(f"actor {dtype} {prompts}x{n}x{new_tokens} update")
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
+    # the 2026 recipes on the actor worker, bf16: one LoRA update (with the base as the
+    # reference of a KL loss) and one GSPO update; each takes two optimizer steps a round
+    recipes = {"lora": ("actor.lora.rank=16", "actor.lora.alpha=32", "actor.use_kl_loss=true"),
+               "gspo": ("actor.policy_loss.mode=gspo", "actor.clip_ratio_low=3e-4",
+                        "actor.clip_ratio_high=4e-4")}  # fmt: skip
+    report["recipes"] = {}
+    shape = (8, 4, 32) if DEVICE == "cuda" else (2, 2, 20)
+    for name, extra in recipes.items():
+        try:
+            r = run_actor(tokenizer, "bfloat16", *shape, extra=extra)
+        except Exception:
+            traceback.print_exc()
+            failed.append(f"{name} update raised")
+            continue
+        report["recipes"][name] = r
+        print(f"[gpu_check] {name}: {r}", flush=True)
+        if not r["weights_finite"] or r["weights_moved_max_abs_sum"] == 0:
+            failed.append(f"{name} update")
+        if name == "lora" and r["frozen_weights_moved"] != 0:
+            failed.append("lora moved frozen weights")
     report["failed"] = failed
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
