@@ -136,7 +136,7 @@ def dynamic_rollout(
     rows = [i for i, u in enumerate(everything["uid"]) if u in chosen_set]
     batch = everything.take(rows)
     seconds = sum(p.meta["metrics"]["timing_s/gen"] for p in parts)
-    tokens = sum(p.meta["gen_tokens"] for p in parts)
+    tokens = sum(p.meta.get("gen_tokens", 0) for p in parts)
     batch.meta = {
         **parts[-1].meta,
         "gen_batches": [p.meta["gen_batch"] for p in parts],
