@@ -154,7 +154,8 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # n
         f"rollout.max_new_tokens={new_tokens}", f"rollout.micro_batch_size={rows}",
         f"actor.ppo_mini_batch_size={rows}", f"actor.ppo_micro_batch_size={min(rows, 64)}",
         f"actor.log_prob_micro_batch_size={min(rows, 64)}",
-        *([f"actor.ppo_mini_batch_size={rows // 2}"] if extra else []), *extra,
+        *([f"actor.ppo_mini_batch_size={rows // 2}",
+           f"actor.ppo_micro_batch_size={min(rows // 2, 64)}"] if extra else []), *extra,
     ])  # fmt: skip
     assert cfg.device == DEVICE
     if DEVICE == "cuda":
