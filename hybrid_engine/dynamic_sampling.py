@@ -130,23 +130,25 @@ def dynamic_rollout(
         g += 1
     everything = concat_rollouts(parts, pad_token_id)
     uids = list(dict.fromkeys(everything["uid"]))
+    kept_set = set(kept)
     chosen = kept[:groups]
-    chosen += [u for u in uids if u not in set(kept)][: groups - len(chosen)]  # fill (train)
+    chosen += [u for u in uids if u not in kept_set][: groups - len(chosen)]  # fill (train)
     chosen_set = set(chosen)
     rows = [i for i, u in enumerate(everything["uid"]) if u in chosen_set]
     batch = everything.take(rows)
     seconds = sum(p.meta["metrics"]["timing_s/gen"] for p in parts)
     tokens = sum(p.meta.get("gen_tokens", 0) for p in parts)
+    per_s = tokens / seconds if seconds else 0.0
     batch.meta = {
         **parts[-1].meta,
         "gen_batches": [p.meta["gen_batch"] for p in parts],
         "next_gen_batch": parts[-1].meta["gen_batch"] + 1,
         "gen_tokens": tokens,
-        "gen_tokens_per_s": tokens / seconds if seconds else 0.0,
+        "gen_tokens_per_s": per_s,
         "metrics": {
             **parts[-1].meta["metrics"],
             "timing_s/gen": seconds,
-            "perf/tokens_per_s_rollout": tokens / seconds if seconds else 0.0,
+            "perf/tokens_per_s_rollout": per_s,
             "dynamic_sampling/gen_batches": float(len(parts)),
             "dynamic_sampling/prompts_consumed": float(sum(len(set(p["uid"])) for p in parts)),
             "dynamic_sampling/kept_groups": float(len(kept)),
