@@ -24,13 +24,16 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from torch import nn
 
+from hybrid_engine.config.training import LoraSettings
+
 ADAPTER = "default"  # peft's name of the one adapter
 
 
-def lora_config(rank: int, alpha: float, dropout: float, target_modules: list[str]) -> LoraConfig:
+def lora_config(settings: LoraSettings) -> LoraConfig:
+    """peft's config from `actor.lora`."""
     return LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-        bias="none", task_type="CAUSAL_LM",
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
     )  # fmt: skip
 
 
@@ -43,10 +46,6 @@ def add_lora(model: nn.Module, config: LoraConfig, seed: int) -> nn.Module:
     except ValueError as e:
         raise ValueError(f"actor.lora.target_modules={config.target_modules}: {e}") from None
     return model
-
-
-def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
 @contextmanager

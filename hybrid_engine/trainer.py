@@ -343,7 +343,7 @@ class Engine:
         if not lora.rank:
             model.load_state_dict(state)
             return model, None
-        config = lora_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+        config = lora_config(lora)
         model.load_state_dict(merged_state_dict(state, config))
         return model, state
 

@@ -89,7 +89,7 @@ class ActorRolloutRef:
         lora = cfg.actor.lora
         self.lora = None  # with LoRA the frozen base is the reference: no copy of the weights
         if lora.rank:
-            self.lora = lora_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+            self.lora = lora_config(lora)
             add_lora(self.policy, self.lora, cfg.trainer.seed)
         self.ref = None
         if cfg.use_reference and self.lora is None:

@@ -54,7 +54,7 @@ def save_final(
         tokenizer.save_pretrained(tmp)
         if adapter_state is not None:
             lora = cfg.actor.lora
-            config = lora_config(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+            config = lora_config(lora)
             config.base_model_name_or_path = cfg.model.path
             adapter_files(f"{tmp}/adapter", adapter_state, config)
         with open(f"{tmp}/summary.json", "w") as f:

@@ -77,8 +77,7 @@ def test_export_merges_the_adapters_and_writes_peft_files(tmp_path):
     merged, _ = response_log_probs(model, batch["input_ids"], batch["attention_mask"], n)
     torch.testing.assert_close(merged, live, atol=1e-5, rtol=0)
     lora = engine.cfg.actor.lora
-    adapter_files(str(tmp_path), state, lora_config(lora.rank, lora.alpha, lora.dropout,
-                                                    lora.target_modules))  # fmt: skip
+    adapter_files(str(tmp_path), state, lora_config(lora))  # fmt: skip
     base = load_policy(engine.cfg.model, engine.tokenizer, engine.cfg.trainer.seed)
     peft_model = PeftModel.from_pretrained(base, str(tmp_path))
     again, _ = response_log_probs(peft_model.base_model.model, batch["input_ids"],
