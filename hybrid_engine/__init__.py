@@ -11,7 +11,18 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"
 for _key, _value in RAY_ENV.items():
     os.environ.setdefault(_key, _value)
 
-from hybrid_engine.batch import Batch  # noqa: E402
-from hybrid_engine.config import ConfigError, HybridConfig, load_config  # noqa: E402
-
 __all__ = ["Batch", "ConfigError", "HybridConfig", "load_config"]
+
+
+def __getattr__(name: str) -> object:
+    """The package's names, imported on first use: a process that needs one light module
+    (the tool runner's child imports `hybrid_engine.builtin_tools`) does not load torch."""
+    if name == "Batch":
+        from hybrid_engine.batch import Batch
+
+        return Batch
+    if name in ("ConfigError", "HybridConfig", "load_config"):
+        from hybrid_engine import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'hybrid_engine' has no attribute {name!r}")

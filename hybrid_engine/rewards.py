@@ -77,6 +77,19 @@ def load_function(spec: str) -> Callable[..., Sequence[float]]:
     return fn
 
 
+def builtin_score(
+    text: str, row: dict[str, Any], answer_format: str = "last_number", task_config: Any = ()
+) -> float:
+    """The built-in score of one completion: reasoning-gym's own scorer for its rows (on the
+    extracted answer), else the numeric match with `row["ground_truth"]`."""
+    answer = extract_answer(text, answer_format)
+    entry = (row.get("extra_info") or {}).get("rg_entry")
+    if row["data_source"].startswith(RG_PREFIX) and entry is not None:
+        scorer = _rg_scorer(row["data_source"].removeprefix(RG_PREFIX), _freeze(task_config))
+        return float(scorer.score_answer(answer, entry))
+    return numeric_match(answer, row["ground_truth"])
+
+
 class RewardScorer:
     """Scores completions for rows; the same object serves training and validation."""
 
@@ -102,17 +115,10 @@ class RewardScorer:
         return [float(s) for s in scores]
 
     def _builtin(self, completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
-        out = []
-        for text, row in zip(completions, rows, strict=True):
-            answer = extract_answer(text, self.answer_format)
-            source = row["data_source"]
-            entry = (row.get("extra_info") or {}).get("rg_entry")
-            if source.startswith(RG_PREFIX) and entry is not None:
-                scorer = _rg_scorer(source.removeprefix(RG_PREFIX), self.task_config)
-                out.append(float(scorer.score_answer(answer, entry)))
-            else:
-                out.append(numeric_match(answer, row["ground_truth"]))
-        return out
+        return [
+            builtin_score(text, row, self.answer_format, self.task_config)
+            for text, row in zip(completions, rows, strict=True)
+        ]
 
     def _user(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> list:
         try:
@@ -155,8 +161,15 @@ def overlong_penalty(
 def token_level_scores(
     scores: Sequence[float] | torch.Tensor, response_mask: torch.Tensor
 ) -> torch.Tensor:
-    """(batch, response_len) zeros with each score on its response's last token."""
+    """(batch, response_len) zeros with each score on its response's last token: the last
+    position whose mask is 1 (multi-turn masks have interior zeros; an empty row: position 0)."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    last = last_token_index(response_mask)
     out[torch.arange(len(scores)), last] = torch.as_tensor(scores, dtype=torch.float32)
     return out
+
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """(batch,) index of each row's last position with mask 1 (0 for a row without one)."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    return torch.where(response_mask.bool(), positions, 0).amax(-1)

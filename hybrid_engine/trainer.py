@@ -31,7 +31,14 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.dynamic_sampling import dynamic_rollout
+from hybrid_engine.envs import make_environment
 from hybrid_engine.models import load_tokenizer
+from hybrid_engine.multiturn import (
+    conversation_text,
+    multi_turn_metrics,
+    multi_turn_rollout,
+    multi_turn_scores,
+)
 from hybrid_engine.rewards import RewardScorer, overlong_penalty, token_level_scores
 from hybrid_engine.rollout import SamplingParams
 from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
@@ -136,16 +143,17 @@ class Engine:
         first_gen_batch: int | None = None,
         load: Callable[[int], Batch | None] | None = None,
         save: Callable[[int, Batch], None] | None = None,
+        on_turn: Callable[[int], None] | None = None,
     ) -> Batch:
         """The rollout stage of step N: `rollout(N)`, or with `algorithm.filter_groups` the
         DAPO loop over generation batches from `first_gen_batch` (default: the one after the
         last this engine used), scored on the way (`hybrid_engine.dynamic_sampling`)."""
         fg = self.cfg.algorithm.filter_groups
         if not fg.enabled:
-            return self.rollout(step)
+            return self.rollout(step, on_turn=on_turn)
         first = self.next_gen_batch if first_gen_batch is None else first_gen_batch
         batch = dynamic_rollout(
-            lambda g: self.reward(self.rollout(step, g)), first,
+            lambda g: self.reward(self.rollout(step, g, on_turn)), first,
             self.cfg.data.train_batch_size, fg.metric, fg.max_num_gen_batches,
             fg.on_exhausted, self.tokenizer.pad_token_id, load, save,
         )  # fmt: skip
@@ -153,9 +161,13 @@ class Engine:
         batch.meta["step"] = step
         return batch
 
-    def rollout(self, step: int, gen_batch: int | None = None) -> Batch:
-        """Step N's prompts, `rollout.n` samples each. Generation batch g (dynamic
-        sampling) takes the prompts and seed step g takes without it; default g = N."""
+    def rollout(
+        self, step: int, gen_batch: int | None = None,
+        on_turn: Callable[[int], None] | None = None,
+    ) -> Batch:  # fmt: skip
+        """Step N's prompts, `rollout.n` samples each (multi-turn: trajectories, `on_turn(k)`
+        called after turn k). Generation batch g (dynamic sampling) takes the prompts and
+        seed step g takes without it; default g = N."""
         r = self.cfg.rollout
         g = step if gen_batch is None else gen_batch
         metrics: dict[str, float] = {}
@@ -172,8 +184,11 @@ class Engine:
             log_probs=self.cfg.algorithm.rollout_correction.enabled,
         )
         with timer(metrics, "gen"):
-            batch = self.actor.generate(prompts.repeat_interleave(r.n), sampling)
+            batch = self._generate(prompts.repeat_interleave(r.n), sampling, on_turn)
         metrics["timing_s/reshard"] = batch.meta.get("reshard_s", 0.0)
+        if "turns" in batch:
+            metrics |= multi_turn_metrics(batch)
+            metrics["timing_s/env"] = batch.meta["env_seconds"]
         if self.cfg.greedy_baseline:
             with timer(metrics, "gen_baseline"):
                 greedy = self.actor.generate(prompts, SamplingParams(r.max_new_tokens, 0.0))
@@ -184,6 +199,20 @@ class Engine:
         batch.meta.update(step=step, metrics=metrics)
         return batch
 
+    def _generate(
+        self, prompts: Batch, sampling: SamplingParams,
+        on_turn: Callable[[int], None] | None = None,
+    ) -> Batch:  # fmt: skip
+        """One sample per prompt row: a response, or with multi-turn a trajectory."""
+        mt = self.cfg.rollout.multi_turn
+        if not mt.enabled:
+            return self.actor.generate(prompts, sampling)
+        envs = [make_environment(mt.environment, mt.env_kwargs) for _ in range(len(prompts))]
+        return multi_turn_rollout(
+            self.actor.generate, self.tokenizer, prompts, envs, sampling, mt.max_turns,
+            mt.max_total_tokens, self.cfg.data.max_prompt_length, on_turn,
+        )  # fmt: skip
+
     # --------------------------------------------------------------- 2. reward
     def reward(self, batch: Batch) -> Batch:
         """`scores` (the scorer's), `acc` (score >= 1) and `token_level_scores` (plus the
@@ -191,7 +220,11 @@ class Engine:
         already keeps its scores."""
         metrics: dict[str, float] = {}
         with timer(metrics, "reward"):
-            if "token_level_scores" not in batch:
+            if "token_level_scores" not in batch and "turns" in batch:
+                batch["scores"], batch["acc"], batch["token_level_scores"] = self._turn_scores(
+                    batch
+                )
+            elif "token_level_scores" not in batch:
                 raw = torch.tensor(self._score(batch, "response_ids", "response_mask"))
                 shaped = raw + self._overlong(batch["response_mask"])
                 batch["scores"], batch["acc"] = raw.float(), (raw >= 1.0).float()
@@ -210,6 +243,13 @@ class Engine:
             metrics["critic/overlong_penalty/mean"] = float(penalty.mean())
         batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
         return batch
+
+    def _turn_scores(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-turn: the environment's rewards, the scorer where it gave none."""
+        need = [i for i, r in enumerate(batch["env_reward"]) if r is None]
+        scored = self._score(batch.take(need), "response_ids", "response_mask") if need else []
+        per_turn = self.cfg.rollout.multi_turn.per_turn_rewards
+        return multi_turn_scores(batch, dict(zip(need, scored, strict=True)), per_turn)
 
     def _overlong(self, response_mask: torch.Tensor) -> torch.Tensor:
         rc = self.cfg.reward
@@ -230,10 +270,11 @@ class Engine:
                 })
             )  # fmt: skip
             return scored["rm_scores"].tolist()
-        completions = [
-            self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-            for row, m in zip(ids, mask, strict=True)
-        ]
+        completions = (
+            list(batch["final_response"]) if "final_response" in batch  # multi-turn
+            else [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+                  for row, m in zip(ids, mask, strict=True)]
+        )  # fmt: skip
         prompts = [self.tokenizer.apply_chat_template(p, tokenize=False) for p in batch["prompt"]]
         rows = [
             {"data_source": d, "ground_truth": g, "extra_info": e, "prompt": p}
@@ -324,7 +365,7 @@ class Engine:
             for w in self.pool.status():
                 metrics[f"perf/{w['name']}/rss_gb"] = w["rss_gb"]
                 metrics[f"perf/{w['name']}/peak_rss_gb"] = w["peak_rss_gb"]
-        metrics |= batch_stats(batch, self.cfg.rollout.max_new_tokens)
+        metrics |= batch_stats(batch, self.cfg.max_response_length)
         metrics = {**batch.meta.get("metrics", {}), **metrics}
         return Batch(meta={"step": batch.meta.get("step"), "metrics": metrics})
 
@@ -367,21 +408,29 @@ class Engine:
             step_seed(self.cfg.trainer.seed, -1),
         )  # fmt: skip
         start = time.perf_counter()
-        batch = self.actor.generate(
-            prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length), sampling
-        )
-        scores = self._score(batch, "response_ids", "response_mask")
+        prompts = prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length)
+        prompts["uid"] = [f"val-{i}" for i in range(len(prompts))]
+        batch = self._generate(prompts, sampling)
+        if "turns" in batch:  # multi-turn: success as the environment says, turns, tool use
+            score_t, acc, _ = self._turn_scores(batch)
+            scores, correct = score_t.tolist(), acc.tolist()
+        else:
+            scores = self._score(batch, "response_ids", "response_mask")
+            correct = [s >= 1.0 for s in scores]
         out: dict[str, Any] = {
-            "val/accuracy": sum(s >= 1.0 for s in scores) / len(scores),
+            "val/accuracy": sum(correct) / len(correct),
             "val/score/mean": sum(scores) / len(scores),
             "val/response_length/mean": float(batch["response_mask"].sum(-1).float().mean()),
             "timing_s/val": time.perf_counter() - start,
         }
+        if "turns" in batch:
+            out |= multi_turn_metrics(batch, "val/")
         if samples:
             ids, mask = batch["response_ids"], batch["response_mask"]
             out["_samples"] = [
                 {"prompt": row["prompt"][-1]["content"], "score": score,
-                 "response": self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True)}
+                 "response": conversation_text(batch["messages"][i]) if "messages" in batch
+                 else self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True)}
                 for i, (row, score) in enumerate(zip(rows[:samples], scores, strict=False))
             ]  # fmt: skip
         return out

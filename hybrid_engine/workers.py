@@ -189,7 +189,7 @@ class ActorRolloutRef:
         temp = self.cfg.rollout.temperature or 1.0
         if a.use_kl_loss and "ref_log_prob" not in batch:
             raise ValueError("actor.use_kl_loss needs ref_log_prob in the batch")
-        scale = a.loss_scale_factor or self.cfg.rollout.max_new_tokens
+        scale = a.loss_scale_factor or self.cfg.max_response_length
         pg_agg = loss_aggregation(a.policy_loss.mode, a.loss_agg_mode)
 
         def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
@@ -308,7 +308,7 @@ class Critic:
         self.cfg = cfg.critic
         self.log_prob_micro_batch_size = cfg.actor.log_prob_micro_batch_size
         # seq-mean-token-sum-norm's constant, as the actor's
-        self.loss_scale_factor = cfg.actor.loss_scale_factor or cfg.rollout.max_new_tokens
+        self.loss_scale_factor = cfg.actor.loss_scale_factor or cfg.max_response_length
 
     def _values(self, mb: Batch) -> torch.Tensor:
         n = mb["response_mask"].shape[1]

@@ -7,7 +7,7 @@
     step-2/rollout:before_commit=pause:FILE   create FILE and wait until someone deletes it
 
 Points: `step-<N>/<stage>:before_commit` (every stage commit), `step-<N>:end` (after step N
-and its checkpoint). Unset (the normal case), a point costs one dictionary lookup.
+and its checkpoint), `step-<N>/rollout:turn-<k>` (a multi-turn rollout after its turn k). Unset (the normal case), a point costs one dictionary lookup.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from hybrid_engine.trainer import Engine, finish_step, peak_rss_gb
+from storage.faults import fault_point
 from storage.store import RunStore
 from tasks.progress import emit
 
@@ -107,8 +108,8 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
     start = time.perf_counter()
     if engine.cfg.algorithm.filter_groups.enabled:
         batch = _dynamic_rollout(engine, store, step)
-    else:
-        batch = engine.rollout(step)
+    else:  # a multi-turn rollout passes a crash point after each turn
+        batch = engine.rollout(step, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))
     meta = {"metrics": batch.meta["metrics"], "weights_version": engine.actor.weights_version}
     if "gen_batches" in batch.meta:  # the prompts this step consumed, and where the next starts
         meta |= {k: batch.meta[k] for k in ("gen_batches", "next_gen_batch")}
@@ -137,7 +138,8 @@ def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
     def save(j: int, part: Any) -> None:
         store.commit_stage(step, f"rollout-gen{j}", part, {"gen_batch": part.meta["gen_batch"]})
 
-    return engine.sample(step, first, load, save)
+    return engine.sample(step, first, load, save,
+                         on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))  # fmt: skip
 
 
 @stage_task

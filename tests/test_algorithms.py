@@ -74,16 +74,17 @@ def test_gae_runs_without_grad():
     close(ret, [[3.0, 2.0, 1.0]])
 
 
-def test_reinforce_plus_plus_resets_return_after_masked_position():
-    # gamma = 0.5. Row 0: hole at t=1, padding at t=3.
-    #   G_2 = 2; at t=1 the carried return is reset -> G_0 = 1 (not 1 + 0.5*0.5*2 = 1.5)
+def test_reinforce_plus_plus_carries_return_across_masked_position():
+    # verl 0.9: a masked position (an observation token) passes the running return through
+    # unchanged and undiscounted. gamma = 0.5. Row 0: hole at t=1, padding at t=3.
+    #   G_2 = 2; t=1 carries 2; G_0 = 1 + 0.5 * 2 = 2
     # Row 1: G_2 = 3, G_1 = 1.5, G_0 = 0.75 (padding reward 7 ignored)
     rewards = T([[1.0, 0.0, 2.0, 0.0], [0.0, 0.0, 3.0, 7.0]])
     mask = T([[1, 0, 1, 0], [1, 1, 1, 0]], torch.int64)
     adv, ret = reinforce_plus_plus(rewards, mask, gamma=0.5)
-    close(ret, [[1.0, 0.0, 2.0, 0.0], [0.75, 1.5, 3.0, 0.0]])
-    # whiten [1, 2, 0.75, 1.5, 3]: mean 1.65, unbiased var 0.8
-    close(adv, [[-0.726722, 0.0, 0.391312, 0.0], [-1.006231, -0.167705, 1.509346, 0.0]])
+    close(ret, [[2.0, 0.0, 2.0, 0.0], [0.75, 1.5, 3.0, 0.0]])
+    # whiten [2, 2, 0.75, 1.5, 3]: mean 1.85, unbiased var 2.7 / 4 = 0.675, std 0.8215838
+    close(adv, [[0.182574, 0.0, 0.182574, 0.0], [-1.338876, -0.426006, 1.399735, 0.0]])
 
 
 def test_grpo_groups_singletons_equal_scores_and_padding():

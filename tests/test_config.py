@@ -126,5 +126,7 @@ def test_readme_holds_the_generated_reference_with_a_meaning_for_every_key():
     assert all(r[3].strip(" |") for r in rows if "." in r[0])
     names = {r[0].strip("| `") for r in rows if "." not in r[0]}
     from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
+    from hybrid_engine.envs import ENVIRONMENTS
 
-    assert names == set(ADV_ESTIMATORS) | set(POLICY_LOSSES), "the registries, read not typed"
+    registered = set(ADV_ESTIMATORS) | set(POLICY_LOSSES) | set(ENVIRONMENTS)
+    assert names == registered, "the registries, read not typed"

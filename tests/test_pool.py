@@ -237,3 +237,19 @@ def test_lora_with_kl_and_rollout_correction_on_one_and_two_ranks_matches_local(
     assert one.actor.load(str(tmp_path / "lora")) == 2
     assert_same_weights(one.actor.full_state_dict(), expected, 1e-4)
     one.pool.down(stop_head=False)
+
+
+def test_multi_turn_rollouts_on_two_ranks_match_the_local_loop():
+    """The turn loop runs in the driver; each turn's batched generate is split over the
+    ranks: two FSDP ranks give the local loop's trajectories and weights."""
+    extra = ["rollout.multi_turn.enabled=true", "rollout.multi_turn.environment=env_fns:TwoTurns",
+             "rollout.multi_turn.max_total_tokens=96"]  # fmt: skip
+    local, local_hist = train(load_config("configs/grpo_tiny.yaml",
+                                          [SIGNAL, "rollout.micro_batch_size=8", *extra]))  # fmt: skip
+    engine = Engine(cfg("mt2", "actor.layout.dp=2", *extra))
+    _, hist = train(engine.cfg, engine=engine)
+    assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), 1e-4)
+    for h, h_local in zip(hist[1:], local_hist[1:], strict=True):
+        assert h["multi_turn/turns/mean"] == 2.0
+        assert h["critic/score/mean"] == pytest.approx(h_local["critic/score/mean"], abs=1e-6)
+    engine.pool.down(stop_head=False)

@@ -98,3 +98,18 @@ def test_runs_list_show_compare(tmp_path):
     assert f"mlflow ui --backend-store-uri {uri}" in out.output
     out = cli.invoke(app, ["runs", "show", "nope", "--tracking-uri", uri])
     assert out.exit_code == 1 and "no run 'nope'" in out.output
+
+
+def test_multi_turn_generations_show_as_conversations(setup, tmp_path):
+    from hybrid_engine.trainer import Engine
+
+    cfg, store, client = setup
+    engine = Engine(load_config("configs/multiturn_tiny.yaml"))
+    samples = engine.validate(2)["_samples"]
+    tracker = Tracker.open(cfg, store, "flow-1", "0.1.0+abc")
+    tracker.log_samples(0, samples)
+    path = client.download_artifacts(tracker.run_id, "generations/step_000000.json", tmp_path)
+    table = json.loads(Path(path).read_text())
+    response = table["data"][0][1]
+    assert response.count("[assistant]\n") == 3 and response.count("[user]\n") == 2
+    assert "too high" in response or "too low" in response or "no number" in response

@@ -262,8 +262,9 @@ def reinforce_plus_plus(
 ) -> AdvOut:
     """REINFORCE++: whitened discounted return-to-go.
 
-    Backward over t with G = 0:  G_t = r_t + gamma * G;  then G <- G_t * mask_t
-    (the carried return is reset after a masked position, so nothing leaks across it).
+    Backward over t with G = 0:  G_t = r_t + gamma * G  where mask_t = 1, and then G <- G_t;
+    a masked position (an observation token of a multi-turn trajectory, or padding) carries
+    G through unchanged, undiscounted, as verl 0.9 does: a final reward reaches every turn.
     advantages = whiten(G) over the mask, x mask; returns = G x mask.
     """
     keep = response_mask.bool()
@@ -272,7 +273,7 @@ def reinforce_plus_plus(
     carried = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         returns[:, t] = rewards[:, t] + gamma * carried
-        carried = torch.where(keep[:, t], returns[:, t], 0.0)
+        carried = torch.where(keep[:, t], returns[:, t], carried)
     returns = torch.where(keep, returns, 0.0)
     return torch.where(keep, masked_whiten(returns, keep), 0.0), returns
 

@@ -40,6 +40,7 @@ from hybrid_engine.config.training import (
     DataConfig,
     KLControlConfig,
     ModelConfig,
+    MultiTurnConfig,
     RefConfig,
     RewardConfig,
     RolloutConfig,
@@ -51,7 +52,7 @@ from hybrid_engine.config.training import (
 
 __all__ = [
     "ActorConfig", "ActorLayout", "AlgorithmConfig", "ConfigError", "CriticConfig",
-    "DataConfig", "HybridConfig", "KLControlConfig", "KLKind", "LossAggMode", "ModelConfig",
+    "DataConfig", "HybridConfig", "KLControlConfig", "KLKind", "LossAggMode", "ModelConfig", "MultiTurnConfig",
     "OptimConfig", "PipelineConfig", "RayConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "RolloutLayout", "Section", "StorageConfig", "TinyModelConfig", "TrackingConfig",
     "TrainerConfig", "ValSamplingConfig", "config_from_dict", "config_reference", "flatten",

@@ -164,8 +164,8 @@ _NEEDS = {"values": "a critic", "index": "prompt groups (rollout.n ≥ 2)",
 
 
 def registries_reference() -> list[str]:
-    """The registered estimators and policy losses as markdown tables, read from the
-    registries (with the plugins imported, a user's own appear too)."""
+    """The registered estimators, policy losses and environments as markdown tables, read
+    from the registries (with the plugins imported, a user's own appear too)."""
     lines = ["", "**algorithm.adv_estimator**: the registered estimators", "",
              "| name | needs | what |", "| --- | --- | --- |"]  # fmt: skip
     for name in sorted(ADV_ESTIMATORS):
@@ -178,4 +178,11 @@ def registries_reference() -> list[str]:
         spec = POLICY_LOSSES[name]
         agg = f"`{spec.aggregation}` always" if spec.aggregation else "`actor.loss_agg_mode`"
         lines.append(f"| `{name}` | {agg} | {spec.summary} |")
+    from hybrid_engine.envs import ENVIRONMENTS  # the environments import the reward scorers
+
+    lines += ["", "**rollout.multi_turn.environment**: the registered environments", "",
+              "| name | what |", "| --- | --- |"]  # fmt: skip
+    for name in sorted(ENVIRONMENTS):
+        doc = (ENVIRONMENTS[name].__doc__ or "").strip().splitlines()[0]
+        lines.append(f"| `{name}` | {doc} |")
     return lines

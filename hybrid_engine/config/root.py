@@ -106,6 +106,13 @@ class HybridConfig(BaseSettings):
         return "cuda" if gpu else "cpu"
 
     @property
+    def max_response_length(self) -> int:
+        """The widest response a rollout returns: rollout.max_new_tokens, or with multi-turn
+        rollout.multi_turn.max_total_tokens (assistant and observation tokens)."""
+        mt = self.rollout.multi_turn
+        return mt.max_total_tokens if mt.enabled else self.rollout.max_new_tokens
+
+    @property
     def use_reward_model(self) -> bool:
         return self.reward.model_path is not None
 
@@ -135,6 +142,18 @@ class HybridConfig(BaseSettings):
             raise ValueError(
                 f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be smaller "
                 f"than rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
+        mt = self.rollout.multi_turn
+        if mt.enabled and self.reward.overlong_buffer_len:
+            raise ValueError(
+                f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} with "
+                "rollout.multi_turn.enabled: the overlong penalty counts one response's tokens; "
+                "set it to 0 (rollout.multi_turn.max_total_tokens bounds a trajectory)"
+            )
+        if mt.enabled and self.greedy_baseline:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a greedy "
+                "single-turn baseline rollout, which multi-turn rollouts do not make"
             )
         if self.algorithm.filter_groups.enabled and self.rollout.n < 2:
             raise ValueError(

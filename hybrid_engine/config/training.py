@@ -156,8 +156,8 @@ class ActorConfig(Section):
     loss_scale_factor: float | None = Field(
         None,
         gt=0,
-        description="seq-mean-token-sum-norm divides by this; None = rollout.max_new_tokens "
-        "(the padded response length)",
+        description="seq-mean-token-sum-norm divides by this; None = the padded response "
+        "length (rollout.max_new_tokens; multi-turn: rollout.multi_turn.max_total_tokens)",
     )
     entropy_coeff: float = Field(0.0, description="entropy bonus weight in the policy loss")
     use_kl_loss: bool = Field(
@@ -180,6 +180,41 @@ class ValSamplingConfig(Section):
     max_new_tokens: int | None = Field(None, description="None = rollout.max_new_tokens")
 
 
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts: the policy and an environment take turns (`hybrid_engine.envs`)."""
+
+    enabled: bool = Field(False, description="roll out conversations with an environment")
+    environment: str = Field(
+        "feedback",
+        description="a registered environment (see the table below) or `module:Class`",
+    )
+    env_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the environment's constructor"
+    )
+    max_turns: int = Field(3, gt=0, description="assistant turns per trajectory at most")
+    max_total_tokens: int = Field(
+        256,
+        gt=0,
+        description="the response (assistant and observation tokens after the prompt) at most; "
+        "an observation that would pass it ends the trajectory",
+    )
+    per_turn_rewards: bool = Field(
+        False,
+        description="each turn's environment reward on that turn's last token (false: the "
+        "last reward, on the last token)",
+    )
+
+    @field_validator("environment")
+    @classmethod
+    def _known_environment(cls, name: str) -> str:
+        from hybrid_engine.envs import ENVIRONMENTS, environment_class
+
+        if ":" in name:
+            environment_class(name)  # raises naming the spec when it cannot be loaded
+            return name
+        return _registered("rollout.multi_turn.environment", "environment", name, ENVIRONMENTS)
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field(
         "hf",
@@ -190,9 +225,12 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 = off")
     top_k: int = Field(0, ge=0, description="0 = off")
-    max_new_tokens: int = Field(32, gt=0, description="longest response in tokens")
+    max_new_tokens: int = Field(
+        32, gt=0, description="longest response in tokens (multi-turn: per assistant turn)"
+    )
     micro_batch_size: int = Field(64, gt=0, description="sequences decoded together")
     val: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
 
 
 class RefConfig(Section):

@@ -1,0 +1,89 @@
+"""Multi-turn rollout cost: tokens/s against a single-turn rollout of the same budget, the
+share of the time spent in the environment, peak RSS.
+
+.venv/bin/python bench/multiturn.py [--preset configs/multiturn_cpu.yaml] [--steps 2]
+    [--out bench/results/multiturn.json] [overrides...]
+
+The same prompts (steps 1..N of the preset, SmolLM2, sampling) rolled out twice, in this
+process, one after the other: multi-turn as the preset says, then single-turn with
+`max_new_tokens = max_turns x rollout.max_new_tokens` (the policy's token budget of a
+trajectory). Tokens/s counts the policy's sampled tokens per second of rollout wall time;
+observation tokens are prefilled, not sampled, and are reported beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+from hybrid_engine.config import load_config
+from hybrid_engine.trainer import Engine, peak_rss_gb
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def measure(engine: Engine, steps: int) -> dict:
+    tokens = obs = turns = rows = 0
+    wall = gen = env = 0.0
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        batch = engine.rollout(step)
+        wall += time.perf_counter() - start
+        width = batch["response_mask"].shape[1]
+        seen = int(batch["attention_mask"][:, -width:].sum())
+        tokens += int(batch["response_mask"].sum())
+        obs += seen - int(batch["response_mask"].sum())
+        gen += batch.meta["gen_seconds"]
+        env += batch.meta.get("env_seconds", 0.0)
+        turns += sum(batch["turns"]) if "turns" in batch else len(batch)
+        rows += len(batch)
+    return {
+        "policy_tokens": tokens, "observation_tokens": obs, "wall_s": wall,
+        "tokens_per_s": tokens / wall, "generate_share": gen / wall, "env_share": env / wall,
+        "turns_per_sample": turns / rows, "samples": rows,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="configs/multiturn_cpu.yaml")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", default="bench/results/multiturn.json")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = load_config(args.preset, args.overrides)
+    mt = cfg.rollout.multi_turn
+    engine = Engine(cfg)
+    multi = measure(engine, args.steps)
+    budget = mt.max_turns * cfg.rollout.max_new_tokens
+    engine.cfg = load_config(args.preset, [*args.overrides, "rollout.multi_turn.enabled=false",
+                                           f"rollout.max_new_tokens={budget}"])  # fmt: skip
+    single = measure(engine, args.steps)
+    result = {
+        "cpu": cpu_model(), "preset": args.preset, "overrides": args.overrides,
+        "environment": mt.environment, "max_turns": mt.max_turns,
+        "max_new_tokens_per_turn": cfg.rollout.max_new_tokens, "single_turn_max_new_tokens": budget,
+        "multi_turn": multi, "single_turn": single, "peak_rss_gb": peak_rss_gb(),
+    }  # fmt: skip
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(
+        f"{result['cpu']}, {mt.environment}, {args.steps} steps x {multi['samples'] // args.steps} samples"
+    )
+    for name, r in (("multi-turn", multi), ("single-turn", single)):
+        print(f"  {name:11s}: {r['policy_tokens']} policy tokens (+{r['observation_tokens']} "
+              f"observation) in {r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tokens/s; "
+              f"{r['turns_per_sample']:.2f} turns/sample; generate {100 * r['generate_share']:.0f}%, "
+              f"environment {100 * r['env_share']:.2f}% of the wall time")  # fmt: skip
+    print(f"  peak RSS {result['peak_rss_gb']:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()

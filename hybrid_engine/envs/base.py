@@ -1,0 +1,86 @@
+"""The environment interface and its registry.
+
+An environment holds one conversation. The multi-turn rollout (`hybrid_engine.multiturn`)
+makes one per trajectory and calls
+
+    messages = env.reset(row, seed)          # the first observation: the prompt's messages
+    obs, reward, done, info = env.step(text)  # after each assistant turn, its decoded text
+
+`row` is the prompt's sample: `prompt` (chat messages), `data_source`, `ground_truth`,
+`extra_info`, `uid`. `obs` is a list of messages (role `user` or `tool`) or None; `reward`
+a float or None (the rollout keeps the last one given; see `rollout.multi_turn`);
+`info` may say `success` (bool: counted by validation and `acc`), `tool_calls` and
+`tool_errors` (ints, summed over the turns). Plain Python, synchronous; everything random
+must come from `seed`, so a trajectory is a pure function of (row, seed, the policy's text).
+
+An environment is named by a registered name (`@register_environment("name")`) or by
+`module:Class`; its constructor takes `rollout.multi_turn.env_kwargs`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, NamedTuple
+
+Messages = list[dict[str, Any]]
+
+
+class Step(NamedTuple):
+    observation: Messages | None
+    reward: float | None
+    done: bool
+    info: dict[str, Any]
+
+
+class Environment:
+    """Base class: subclasses implement `reset` and `step`."""
+
+    def reset(self, row: dict[str, Any], seed: int) -> Messages:
+        raise NotImplementedError
+
+    def step(self, assistant_text: str) -> Step:
+        raise NotImplementedError
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = {}
+
+
+def register_environment(name: str):  # noqa: ANN201 - decorator
+    """Class decorator: make an environment available as `rollout.multi_turn.environment`."""
+
+    def add(cls: type[Environment]) -> type[Environment]:
+        if name in ENVIRONMENTS and ENVIRONMENTS[name] is not cls:
+            raise ValueError(f"environment {name!r} is registered already")
+        ENVIRONMENTS[name] = cls
+        return cls
+
+    return add
+
+
+def environment_class(spec: str) -> type[Environment]:
+    """The class a registered name or a `module:Class` spec names."""
+    if spec in ENVIRONMENTS:
+        return ENVIRONMENTS[spec]
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(
+            f"environment {spec!r} is not registered ({', '.join(sorted(ENVIRONMENTS))}) "
+            "and is not of the form module:Class"
+        )
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"environment {spec!r} cannot be loaded: {e}") from None
+    if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
+        raise ValueError(f"environment {spec!r} is not a class with reset and step")
+    return cls
+
+
+def make_environment(spec: str, kwargs: dict[str, Any]) -> Environment:
+    """A new environment (one per trajectory)."""
+    try:
+        return environment_class(spec)(**kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"rollout.multi_turn.env_kwargs={kwargs!r} rejected by environment {spec!r}: {e}"
+        ) from None
