@@ -4,7 +4,8 @@ share of the time spent in the environment, peak RSS.
 .venv/bin/python bench/multiturn.py [--preset configs/multiturn_cpu.yaml] [--steps 2]
     [--out bench/results/multiturn.json] [overrides...]
 
-The same prompts (steps 1..N of the preset, SmolLM2, sampling) rolled out twice, in this
+Also the tool runner's own costs (a calculator call: the first, the next ones, the first
+after a timeout). The same prompts (steps 1..N of the preset, SmolLM2, sampling) rolled out twice, in this
 process, one after the other: multi-turn as the preset says, then single-turn with
 `max_new_tokens = max_turns x rollout.max_new_tokens` (the policy's token budget of a
 trajectory). Tokens/s counts the policy's sampled tokens per second of rollout wall time;
@@ -52,6 +53,28 @@ def measure(engine: Engine, steps: int) -> dict:
     }  # fmt: skip
 
 
+def tool_call_costs(calls: int = 200) -> dict:
+    """The tool runner alone: first call (child start + import), then per call, then the
+    first call after a timeout killed the child."""
+    from hybrid_engine.envs.tool_runner import ToolRunner
+
+    calc, args = "hybrid_engine.builtin_tools:calculator", {"expression": "123 * (45 - 6)"}
+    runner = ToolRunner()
+    start = time.perf_counter()
+    runner.call(calc, args, 5.0, 2000)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(calls):
+        runner.call(calc, args, 5.0, 2000)
+    per_call = (time.perf_counter() - start) / calls
+    start = time.perf_counter()
+    runner.call(calc, {"expression": "9 ** 9 ** 9"}, 0.5, 2000)  # killed at 0.5 s
+    runner.call(calc, args, 5.0, 2000)
+    after_kill = time.perf_counter() - start - 0.5
+    runner.close()
+    return {"first_call_s": first, "per_call_s": per_call, "restart_after_kill_s": after_kill}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="configs/multiturn_cpu.yaml")
@@ -72,6 +95,7 @@ def main() -> None:
         "environment": mt.environment, "max_turns": mt.max_turns,
         "max_new_tokens_per_turn": cfg.rollout.max_new_tokens, "single_turn_max_new_tokens": budget,
         "multi_turn": multi, "single_turn": single, "peak_rss_gb": peak_rss_gb(),
+        "tool_runner": tool_call_costs(),
     }  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(
@@ -83,6 +107,10 @@ def main() -> None:
               f"{r['turns_per_sample']:.2f} turns/sample; generate {100 * r['generate_share']:.0f}%, "
               f"environment {100 * r['env_share']:.2f}% of the wall time")  # fmt: skip
     print(f"  peak RSS {result['peak_rss_gb']:.2f} GB")
+    t = result["tool_runner"]
+    print(f"  tool runner: first call {1000 * t['first_call_s']:.0f} ms, then "
+          f"{1000 * t['per_call_s']:.2f} ms per call; after a timeout kill "
+          f"{1000 * t['restart_after_kill_s']:.0f} ms to the next answer")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -56,10 +56,17 @@ def run(recipe: str, steps: int, seed: int, every: int, overrides: list[str]) ->
     rows = {h["step"]: h for h in history}
     step_s = [h["timing_s/step"] for h in history if "timing_s/step" in h]
     entropy = {s: rows[s].get("actor/entropy") for s in rows if s and s % every == 0}
+    multi_turn = {  # multi-turn presets: held-out turns, and the training rollouts' per step
+        key: {s: rows[s][key] for s in rows if key in rows[s]}
+        for key in ("val/turns/mean", "val/success_rate", "multi_turn/turns/mean",
+                    "multi_turn/success_rate", "multi_turn/tool_call_rate")
+        if any(key in r for r in rows.values())
+    }  # fmt: skip
     return {
         "recipe": recipe, "preset": preset(recipe), "seed": seed, "steps": steps,
         "accuracy": {s: rows[s]["val/accuracy"] for s in rows if "val/accuracy" in rows[s]},
         "entropy": entropy,
+        **({"multi_turn": multi_turn} if multi_turn else {}),
         "wall_min": minutes,
         "median_step_s": statistics.median(step_s),
         "gen_batches_per_step": statistics.mean(

@@ -56,8 +56,12 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
     try:
         from hybrid_engine.config import load_config
 
-        # a resume's stored config is read once Prefect runs: there only the overrides count
-        cfg = load_config(config if not resume else None, overrides)
+        if resume:  # the stored config with the overrides, checked as the flow will
+            from flows.train import open_run
+
+            cfg, _ = open_run(None, overrides, run_id, resume=True)
+        else:
+            cfg = load_config(config, overrides)
         if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
             from hybrid_engine.workers import reuse_freed_memory
 
@@ -65,10 +69,10 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
         if not resume:  # bad input fails here, in a second, before Prefect starts
             from storage.store import new_run_id, validate_run_id
 
-            if cfg.reward.function:  # a typo here would otherwise surface after Prefect starts
-                from hybrid_engine.rewards import load_function
+            if cfg.tracking.enabled:  # a server that is down: seconds, not minutes
+                from storage.tracking import check_tracking, tracking_uri
 
-                load_function(cfg.reward.function)
+                check_tracking(tracking_uri(cfg))
             run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
             console.print(f"run id: [bold]{run_id}[/]")
         from flows.train import train as train_flow
@@ -143,6 +147,20 @@ app.add_typer(pool_app, name="pool")
 PoolName = Annotated[str, typer.Option("--pool", help="ray.pool_name of the pool")]
 
 
+def _checked_pool(pool: str) -> str:
+    """`--pool` checked like `ray.pool_name` (one line and exit 1 when it is not a name)."""
+    from pydantic import ValidationError
+
+    from hybrid_engine.config import RayConfig
+
+    try:
+        RayConfig(pool_name=pool)
+    except ValidationError:
+        _fail(ValueError(f"--pool {pool!r} is not a pool name (letters, digits, _ . -; "
+                         "starting with a letter or digit; at most 63 characters)"))  # fmt: skip
+    return pool
+
+
 def _connect() -> bool:
     from hybrid_engine.config import load_config
     from hybrid_engine.pool import connect
@@ -157,6 +175,7 @@ def pool_status(pool: PoolName = "default") -> None:
 
     from hybrid_engine.pool import pool_status as status
 
+    pool = _checked_pool(pool)
     if not _connect():
         console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
         raise typer.Exit(1)
@@ -184,6 +203,7 @@ def pool_down(pool: PoolName = "default") -> None:
     """Kill the pool's workers; stop the local Ray head if no other pool uses it."""
     from hybrid_engine.pool import down
 
+    pool = _checked_pool(pool)
     if not _connect():
         console.print("no Ray cluster is running: nothing to stop")
         return
@@ -213,9 +233,12 @@ def runs_list(tracking_uri: TrackingUri = None, experiment: Experiment = "hybrid
 
     from rich.table import Table
 
-    from storage.tracking import list_runs
+    from storage.tracking import TrackingUnavailable, list_runs
 
-    runs = list_runs(tracking_uri, experiment)
+    try:
+        runs = list_runs(tracking_uri, experiment)
+    except TrackingUnavailable as e:
+        _fail(e)
     if not runs:
         console.print(f"no runs in MLflow experiment {experiment!r}")
         return
@@ -239,11 +262,11 @@ def runs_list(tracking_uri: TrackingUri = None, experiment: Experiment = "hybrid
 def runs_show(run_id: str, tracking_uri: TrackingUri = None,
               experiment: Experiment = "hybridrl") -> None:  # fmt: skip
     """One run: tags (storage, checkpoint, Prefect flow run) and its last metrics."""
-    from storage.tracking import find_run
+    from storage.tracking import TrackingUnavailable, find_run
 
     try:
         run = find_run(tracking_uri, run_id, experiment)
-    except LookupError as e:
+    except (LookupError, TrackingUnavailable) as e:
         _fail(e)
     console.print(f"[bold]{run_id}[/]  {run.info.status}  mlflow run {run.info.run_id}")
     for k, v in sorted(run.data.tags.items()):
@@ -259,11 +282,11 @@ def runs_compare(run_a: str, run_b: str, tracking_uri: TrackingUri = None,
     """Two runs side by side: the config keys that differ, then their last metrics."""
     from rich.table import Table
 
-    from storage.tracking import compare, find_run, ui_hint
+    from storage.tracking import TrackingUnavailable, compare, find_run, ui_hint
 
     try:
         a, b = (find_run(tracking_uri, r, experiment) for r in (run_a, run_b))
-    except LookupError as e:
+    except (LookupError, TrackingUnavailable) as e:
         _fail(e)
     params, metrics = compare(a, b)
     for title, rows in (("config differences", params), ("last metrics", metrics)):

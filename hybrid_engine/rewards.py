@@ -9,7 +9,6 @@ Scorers, chosen per row:
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from hybrid_engine.data import RG_PREFIX
+from hybrid_engine.specs import load_spec
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -65,16 +65,7 @@ def _freeze(x: Any) -> Any:
 
 
 def load_function(spec: str) -> Callable[..., Sequence[float]]:
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"reward.function={spec!r} must be of the form module:function")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.function={spec!r} cannot be loaded: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"reward.function={spec!r} is not callable")
-    return fn
+    return load_spec(spec, "reward.function")
 
 
 def builtin_score(

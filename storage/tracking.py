@@ -38,6 +38,34 @@ def tracking_uri(cfg: HybridConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
 
 
+class TrackingUnavailable(RuntimeError):
+    """The tracking store is not there: a server that does not answer, a missing database."""
+
+
+def check_tracking(uri: str, must_exist: bool = False, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, with one line, where MLflow would retry for minutes or create a store:
+    an http(s) server must answer within `timeout_s`; with `must_exist` (commands that only
+    read) a sqlite file or a local directory must exist already."""
+    import urllib.error
+    import urllib.request
+
+    if uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            return  # it answered
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise TrackingUnavailable(
+                f"the MLflow tracking server at {uri} does not answer ({reason}); start it or "
+                "set tracking.uri / --tracking-uri"
+            ) from None
+    elif must_exist and (uri.startswith(("sqlite:///", "file://")) or "://" not in uri):
+        path = uri.removeprefix("sqlite:///").removeprefix("file://")
+        if not os.path.exists(path):
+            raise TrackingUnavailable(f"no MLflow store at {uri} ({path} does not exist)")
+
+
 class Tracker:
     """The MLflow run of one training run."""
 
@@ -51,6 +79,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         uri = tracking_uri(cfg)
+        check_tracking(uri)
         client = MlflowClient(uri)
         run_doc = store.read_run() or {}
         run_id = run_doc.get("mlflow_run_id")
@@ -211,9 +240,12 @@ def _close(fig: Any) -> None:
 
 # ------------------------------------------------------------------- reading runs back
 def client_for(uri: str | None) -> Any:
+    """A client for reading runs: the store must exist (reading never creates one)."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(uri or tracking_uri(HybridConfig()))
+    uri = uri or tracking_uri(HybridConfig())
+    check_tracking(uri, must_exist=True)
+    return MlflowClient(uri)
 
 
 def list_runs(uri: str | None, experiment: str = "hybridrl") -> list[Any]:

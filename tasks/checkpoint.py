@@ -18,7 +18,7 @@ from prefect.cache_policies import NONE
 from hybrid_engine.sharding import CorruptObject
 from hybrid_engine.trainer import Engine
 from storage.final import FINAL, history, save_final
-from storage.store import RunStore, storage_options
+from storage.store import MARKER, RunStore, storage_options
 from tasks.stages import StageResult
 
 log = logging.getLogger("hybridrl.resume")
@@ -105,9 +105,18 @@ def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
 
 @task(name="finish", task_run_name="final", cache_policy=NONE, persist_result=False)
 def finish(engine: Engine, store: RunStore) -> dict[str, Any]:
-    """The trained policy and summary.json under final/ (skipped when committed)."""
+    """The trained policy and summary.json under final/ (skipped when committed for as many
+    steps or more; a finished run trained further gets its new final policy: the old marker
+    goes first, so a crash in between leaves final/ uncommitted, never stale)."""
     rows = history(store, engine.cfg.trainer.total_training_steps)
-    if store.marker(FINAL) is None:
+    done = store.marker(FINAL)
+    steps = len([h for h in rows if h.get("step", 0) > 0])
+    if done is not None and done.get("steps", 0) < steps:
+        log.info("final/ holds the policy after %s steps; writing the one after %d",
+                 done.get("steps"), steps)  # fmt: skip
+        store.remove(f"{FINAL}/{MARKER}")
+        done = None
+    if done is None:
         model, adapter_state = engine.export()
         save_final(store, model, engine.tokenizer, engine.cfg, rows, adapter_state)
     return {"uri": store.uri(FINAL), "steps": len(rows), "last": rows[-1] if rows else {}}

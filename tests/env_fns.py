@@ -23,20 +23,6 @@ class TwoTurns(Environment):
         return Step(None, None, True, {})
 
 
-class PerTurn(Environment):
-    """Reward 0.5 on turn 1 and 2.0 on turn 2 (per-turn reward placement)."""
-
-    def reset(self, row, seed):
-        self.turn = 0
-        return [dict(m) for m in row["prompt"]]
-
-    def step(self, assistant_text):
-        self.turn += 1
-        if self.turn == 1:
-            return Step([{"role": "user", "content": "more"}], 0.5, False, {})
-        return Step(None, 2.0, True, {"success": True})
-
-
 def add(a: int, b: int) -> int:
     """Add two integers.
 

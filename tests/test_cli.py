@@ -51,3 +51,49 @@ def test_train_fails_with_one_line(args, needle):
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and needle in p.stdout.replace("\n", " "), p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["pool", "status", "--pool", "../x"], "--pool '../x' is not a pool name"),
+        (["pool", "down", "--pool", "a/b"], "--pool 'a/b' is not a pool name"),
+        (["runs", "list", "--tracking-uri", "http://127.0.0.1:1"], "does not answer"),
+        (["runs", "show", "r", "--tracking-uri", "http://127.0.0.1:1"], "does not answer"),
+        (["runs", "list", "--tracking-uri", "sqlite:///no/such/dir/x.db"], "no MLflow store at"),
+    ],
+)
+def test_commands_fail_in_seconds_with_one_line(args, needle, tmp_path):
+    root = Path(__file__).parents[1]
+    p = run(*args, cwd=root)
+    assert p.returncode == 1, p.stdout + p.stderr
+    out = p.stdout.replace("\n", " ")
+    assert needle in out and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert not Path("/no/such/dir").exists()
+
+
+def test_train_with_a_tracking_server_that_is_down_fails_fast(tmp_path):
+    root = Path(__file__).parents[1]
+    p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}",
+            "tracking.uri=http://127.0.0.1:1", cwd=root)  # fmt: skip
+    assert p.returncode == 1 and "does not answer" in p.stdout, p.stdout + p.stderr
+
+
+def test_resume_is_checked_against_the_stored_run_and_a_longer_run_gets_a_new_final(tmp_path):
+    root = Path(__file__).parents[1]
+    common = [f"storage.root={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    p = run("train", "configs/grpo_tiny.yaml", *common, "trainer.run_id=t2",
+            "reward.function=reward_fns:length_score", cwd=root)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    # a copy: load_file maps the file, and final/ is rewritten in place
+    before = {
+        k: v.clone() for k, v in load_file(tmp_path / "t2" / "final" / "model.safetensors").items()
+    }
+    p = run("resume", "t2", "rollout.n=2", *common, cwd=root)
+    assert p.returncode == 1 and "resume cannot change rollout.n" in p.stdout, p.stdout + p.stderr
+    p = run("resume", "t2", "trainer.total_training_steps=3", *common, cwd=root)
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = json.loads((tmp_path / "t2" / "final" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["history"][-1]["step"] == 3
+    after = load_file(tmp_path / "t2" / "final" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)

@@ -130,3 +130,36 @@ def test_readme_holds_the_generated_reference_with_a_meaning_for_every_key():
 
     registered = set(ADV_ESTIMATORS) | set(POLICY_LOSSES) | set(ENVIRONMENTS)
     assert names == registered, "the registries, read not typed"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.optim.lr=.inf", r"actor.optim.lr=inf: Input should be a finite number"),
+        ("algorithm.gamma=.nan", r"algorithm.gamma=nan"),
+        ("rollout.val.max_new_tokens=-5", r"rollout.val.max_new_tokens=-5"),
+        ("trainer.seed=!!python/object/apply:os.system [ls]", r"override trainer.seed: the value is not plain YAML"),
+        ("tracking.api_token=abc123", r"unknown key 'tracking.api_token' \(value hidden\)"),
+        ("reward.function=raises_on_import:f", r"reward.function='raises_on_import:f': importing module 'raises_on_import' raised ZeroDivisionError"),
+    ],
+)  # fmt: skip
+def test_bad_values_get_one_line_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config("configs/grpo_tiny.yaml", [override])
+    assert "\n" not in str(e.value) and "abc123" not in str(e.value)
+
+
+def test_unknown_section_in_an_environment_variable(monkeypatch):
+    monkeypatch.setenv("HYBRIDRL_ROLOUT__N", "2")
+    with pytest.raises(ConfigError, match="HYBRIDRL_ROLOUT__N: no config section 'rolout'"):
+        load_config("configs/grpo_tiny.yaml")
+
+
+@pytest.mark.parametrize(
+    "key", ["storage.endpoint_url", "storage.root", "tracking.uri", "ray.address"]
+)
+def test_credentials_in_a_url_are_refused_without_repeating_them(key):
+    value = "s3://KEY:SECRET@bucket/x" if key == "storage.root" else "http://KEY:SECRET@127.0.0.1:9"
+    with pytest.raises(ConfigError, match=f"{key}: credentials never go in the URL") as e:
+        load_config("configs/grpo_tiny.yaml", [f"{key}={value}"])
+    assert "SECRET" not in str(e.value)

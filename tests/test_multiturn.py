@@ -273,3 +273,26 @@ def test_dynamic_sampling_and_rollout_correction_take_trajectories():
     # the rollout log-probs of policy tokens equal the trainer's on the CPU (observations: 0 and 0)
     assert abs(metrics["rollout_corr/rollout_is_mean"] - 1.0) < 1e-3
     assert metrics["rollout_corr/kl"] < 1e-5
+
+
+def test_a_template_that_takes_tools_renders_them_and_gets_tool_messages(engine, prompts):
+    import copy
+
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\nTOOLS {{ tools | tojson }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    env = make_environment("calculator", {})
+    env.use_tokenizer(tok)
+    assert env.protocol == "template" and env.template_tools[0]["function"]["name"] == "calculator"
+    row = {k: prompts[k][0] for k in prompts.non_tensors}
+    assert env.reset(row, 0) == row["prompt"]  # nothing added: the template shows the tools
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 21"}}</tool_call>'
+    assert env.step(call).observation == [{"role": "tool", "content": "42"}]
+    batch = multi_turn_rollout(engine.actor.generate, tok, prompts.take([0]), [env],
+                               SamplingParams(8, 0.0), 2, 96, 512)  # fmt: skip
+    assert "TOOLS [{" in tok.decode(batch["prompt_ids"][0]) and '"calculator"' in tok.decode(
+        batch["prompt_ids"][0]
+    )

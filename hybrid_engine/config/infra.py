@@ -76,10 +76,19 @@ class StorageConfig(Section):
                         f"storage.{key}: credentials never go in the config; set "
                         "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment"
                     )
-            root = data.get("root")
-            if isinstance(root, str) and "@" in urlsplit(root).netloc:
-                raise ValueError("storage.root: credentials never go in the URL")
+            for key in ("root", "endpoint_url"):
+                no_credentials_in_url(f"storage.{key}", data.get(key))
         return data
+
+
+def no_credentials_in_url(key: str, url: Any) -> None:
+    """Refuse `scheme://user:password@host` (the message never repeats the URL: it would
+    put the secret into logs)."""
+    if isinstance(url, str) and "@" in urlsplit(url).netloc:
+        raise ValueError(
+            f"{key}: credentials never go in the URL (they would be recorded with the run); "
+            "give them through the environment"
+        )
 
 
 class TrackingConfig(Section):
@@ -91,6 +100,7 @@ class TrackingConfig(Section):
         "in the working directory",
     )  # fmt: skip
     experiment: str = Field("hybridrl", min_length=1, description="MLflow experiment name")
+
     val_samples: int = Field(
         8, ge=0, description="validation generations logged as a table (prompt, response, score)"
     )

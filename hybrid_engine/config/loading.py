@@ -4,6 +4,8 @@ names the key; flattening for logging; the README's reference tables."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -23,7 +25,13 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form key.path=value")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:  # e.g. a !!python/... tag: refused, nothing runs
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(
+                f"override {key.strip()}: the value is not plain YAML ({problem})"
+            ) from None
         node = out
         parts = key.strip().split(".")
         for p in parts[:-1]:
@@ -34,12 +42,16 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
+SECRET = re.compile(r"secret|token|password|passwd|credential|api_?key|access_?key", re.I)
+
+
 def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key {key!r} (value {e['input']!r})")
+            shown = "hidden" if SECRET.search(key.rpartition(".")[2]) else repr(e["input"])
+            lines.append(f"unknown key {key!r} (value {shown})")
         elif key and e["type"] != "value_error":  # our own validators name the key
             lines.append(f"{key}={e['input']!r}: {e['msg']}")
         else:
@@ -84,6 +96,7 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> HybridConfig:
     """Like `load_config`, from a dict in place of the YAML file (a stored run's config)."""
+    _check_environment()
     token = _YAML_DATA.set(data)
     try:
         return HybridConfig(**parse_overrides(overrides or []))
@@ -91,6 +104,19 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -
         raise ConfigError(f"invalid config: {_describe(e)}") from None
     finally:
         _YAML_DATA.reset(token)
+
+
+def _check_environment() -> None:
+    """`HYBRIDRL_<SECTION>__<KEY>` variables must name a section: pydantic-settings reads only
+    the sections it knows, so a typo in one (`HYBRIDRL_ROLOUT__N`) would be ignored."""
+    for name in sorted(os.environ):
+        if name.startswith("HYBRIDRL_") and "__" in name:
+            section = name.removeprefix("HYBRIDRL_").split("__")[0].lower()
+            if section not in HybridConfig.model_fields:
+                raise ConfigError(
+                    f"environment variable {name}: no config section {section!r} "
+                    f"(sections: {', '.join(HybridConfig.model_fields)})"
+                )
 
 
 def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:

@@ -16,6 +16,7 @@ from hybrid_engine.config.infra import (
     StorageConfig,
     TrackingConfig,
     TrainerConfig,
+    no_credentials_in_url,
 )
 from hybrid_engine.config.training import (
     ActorConfig,
@@ -62,6 +63,18 @@ class HybridConfig(BaseSettings):
         plugins = data.get("algorithm", {}).get("plugins") if isinstance(data, dict) else None
         if isinstance(plugins, list):
             import_plugins([str(m) for m in plugins])
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials_in_urls(cls, data: Any) -> Any:
+        """URLs that would carry a secret into every record of the run (storage checks its
+        own, with its key names)."""
+        if isinstance(data, dict):
+            for section, key in (("tracking", "uri"), ("ray", "address")):
+                part = data.get(section)
+                if isinstance(part, dict):
+                    no_credentials_in_url(f"{section}.{key}", part.get(key))
         return data
 
     @classmethod

@@ -177,7 +177,7 @@ class ActorConfig(Section):
 
 class ValSamplingConfig(Section):
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
-    max_new_tokens: int | None = Field(None, description="None = rollout.max_new_tokens")
+    max_new_tokens: int | None = Field(None, gt=0, description="None = rollout.max_new_tokens")
 
 
 class MultiTurnConfig(Section):
@@ -260,6 +260,17 @@ class RewardConfig(Section):
     answer_format: Literal["last_number", "hashes"] = Field(
         "last_number", description="how the rule scorer extracts the final answer"
     )
+
+    @field_validator("function")
+    @classmethod
+    def _loadable(cls, spec: str | None) -> str | None:
+        """Import it now: a missing or broken module is named before anything starts."""
+        if spec is not None:
+            from hybrid_engine.rewards import load_function
+
+            load_function(spec)
+        return spec
+
     overlong_buffer_len: int = Field(
         0,
         ge=0,

@@ -19,8 +19,9 @@ An environment is named by a registered name (`@register_environment("name")`) o
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, NamedTuple
+
+from hybrid_engine.specs import load_spec
 
 Messages = list[dict[str, Any]]
 
@@ -61,16 +62,12 @@ def environment_class(spec: str) -> type[Environment]:
     """The class a registered name or a `module:Class` spec names."""
     if spec in ENVIRONMENTS:
         return ENVIRONMENTS[spec]
-    module, sep, name = spec.partition(":")
-    if not sep:
+    if ":" not in spec:
         raise ValueError(
             f"environment {spec!r} is not registered ({', '.join(sorted(ENVIRONMENTS))}) "
             "and is not of the form module:Class"
         )
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"environment {spec!r} cannot be loaded: {e}") from None
+    cls = load_spec(spec, "rollout.multi_turn.environment", "Class")
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise ValueError(f"environment {spec!r} is not a class with reset and step")
     return cls

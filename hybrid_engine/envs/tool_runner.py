@@ -13,7 +13,6 @@ to /dev/null (stdout carries the protocol).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import select
@@ -110,16 +109,9 @@ def runner() -> ToolRunner:
 
 def load_tool(spec: str) -> Any:
     """The function `module:function` names."""
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"tool {spec!r} must be of the form module:function")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"tool {spec!r} cannot be loaded: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"tool {spec!r} is not callable")
-    return fn
+    from hybrid_engine.specs import load_spec  # light: the child imports it too
+
+    return load_spec(spec, "tool")
 
 
 def _serve() -> None:

@@ -44,14 +44,14 @@ def template_renders_tools(tokenizer: Any) -> bool:
     probe = [{"role": "user", "content": "hi"}]
     try:
         text = tokenizer.apply_chat_template(
-            probe, tools=[get_json_schema(_probe_tool)], tokenize=False
+            probe, tools=[get_json_schema(zq_probe_tool)], tokenize=False
         )
     except Exception:  # noqa: BLE001 - a template that cannot take tools does not render them
         return False
     return "zq_probe_tool" in text
 
 
-def _probe_tool(x: int) -> int:
+def zq_probe_tool(x: int) -> int:
     """Probe.
 
     Args:
