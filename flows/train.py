@@ -24,7 +24,15 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from hybrid_engine.config import ConfigError, HybridConfig, config_from_dict, flatten, load_config
+from hybrid_engine.config import (
+    ConfigError,
+    HybridConfig,
+    config_from_dict,
+    flatten,
+    load_config,
+    redact,
+    redacted_keys,
+)
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
 from storage.final import history
@@ -66,7 +74,7 @@ def train(
     t = cfg.trainer
     engine = Engine(cfg, reset_pool=not resume)
     if not resume:  # recorded once the run could start (a bad config leaves nothing behind)
-        store.write_run({"run_id": store.run_id, "config": cfg.model_dump(mode="json"),
+        store.write_run({"run_id": store.run_id, "config": redact(cfg.model_dump(mode="json")),
                          "code_version": code_version(), "created_at": time.time()})  # fmt: skip
     start, how = restore(engine, store)
     if start > t.total_training_steps:
@@ -182,6 +190,11 @@ def open_run(
             raise FileNotFoundError(f"no run {run_id!r} under {where.storage.root}")
         stored = config_from_dict(doc["config"])
         cfg = config_from_dict(doc["config"], overrides)
+        if missing := redacted_keys(cfg):
+            raise ConfigError(
+                f"{', '.join(missing)}: secret values are not recorded with a run; give them "
+                "again (the whole map, e.g. HYBRIDRL_RAY__WORKER_ENV='{...}' or an override)"
+            )
         a, b = flatten(stored), flatten(cfg)
         changed = [k for k in b if a.get(k) != b[k] and not k.startswith(RESUME_MAY_CHANGE)]
         if changed:

@@ -309,6 +309,9 @@ class RoleProxy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self.group.call_all(self.role, "full_state_dict")[0]
 
+    def invalidate(self) -> None:
+        self.group.call_all(self.role, "invalidate")
+
     @property
     def weights_version(self) -> int:
         """Rank 0's version (the ranks step together)."""

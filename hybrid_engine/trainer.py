@@ -356,8 +356,12 @@ class Engine:
         """Critic first, then actor. Returns an empty batch whose meta holds the metrics."""
         metrics: dict[str, float] = {}
         if self.critic is not None:
-            with timer(metrics, "update_critic"):
-                metrics |= self.critic.update_critic(batch)
+            try:
+                with timer(metrics, "update_critic"):
+                    metrics |= self.critic.update_critic(batch)
+            except FloatingPointError:  # a refused critic update (NonFiniteUpdate)
+                self.actor.invalidate()  # resume from the checkpoint, the critic too
+                raise
         with timer(metrics, "update_actor"):
             metrics |= self.actor.update_actor(batch)
         metrics["weights_version"] = self.actor.weights_version

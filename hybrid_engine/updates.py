@@ -4,6 +4,7 @@ weights that make gradient accumulation equal the mini-batch's loss."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -78,6 +79,25 @@ def micro_batches(
 LossParts = list[tuple[torch.Tensor, str]]  # (a loss term reduced on the micro-batch, its mode)
 
 
+class NonFiniteUpdate(FloatingPointError):
+    """A NaN/Inf loss or gradient: the optimizer step was refused. `stepped`: optimizer steps
+    this update had already taken (the weights moved; the caller must not keep them)."""
+
+    def __init__(self, message: str, stepped: int) -> None:
+        super().__init__(message)
+        self.stepped = stepped
+
+
+def first_nonfinite_grad(model: nn.Module) -> str:
+    """The name of the first parameter whose gradient has a NaN or Inf ("none found" when the
+    non-finite value is elsewhere, e.g. another rank's shard)."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and not torch.isfinite(p.grad.to_local() if hasattr(
+                p.grad, "to_local") else p.grad).all():  # fmt: skip
+            return f"the gradient of {name}"
+    return "none found on this rank"
+
+
 def ppo_updates(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -89,8 +109,14 @@ def ppo_updates(
     mini_batch_size: int,
     micro_batch_size: int,
     grad_clip: float,
+    skip_nonfinite: bool = False,
 ) -> dict[str, float]:
     """epochs x mini-batches (one optimizer step each) x micro-batches (gradient accumulation).
+
+    A non-finite gradient norm (global over the ranks, so every rank decides alike) never
+    reaches the weights: with `skip_nonfinite` that optimizer step is skipped and counted in
+    `<prefix>/nonfinite_skipped`; otherwise `NonFiniteUpdate` names the mini-batch, the first
+    micro-batch whose loss was not finite and the first non-finite gradient.
 
     `loss_fn(micro, trimmed micro, kept response length)` returns the micro-batch's loss terms,
     each reduced over the micro-batch with its aggregation mode, and its statistics. Each term
@@ -101,9 +127,11 @@ def ppo_updates(
     sums: dict[str, list[float]] = defaultdict(list)
     device = model_device(model)
     model.train()
-    for _ in range(epochs):
-        for mini in batch.split(mini_batch_size):
+    stepped = skipped = 0
+    for epoch in range(epochs):
+        for j, mini in enumerate(batch.split(mini_batch_size)):
             weights: dict[str, list[float]] = {}
+            bad_loss = None  # (micro-batch, value) of the first non-finite loss
             optimizer.zero_grad(set_to_none=True)
             for i, micro in enumerate(mini.split(micro_batch_size)):
                 small, keep, _ = trim(micro)
@@ -113,16 +141,35 @@ def ppo_updates(
                     if mode not in weights:
                         weights[mode] = _micro_weights(mini, micro_batch_size, mode)
                     loss = loss + term * weights[mode][i]
+                if bad_loss is None and not torch.isfinite(loss.detach()).all():
+                    bad_loss = (i, float(loss.detach()))
                 loss.backward()
                 for k, v in stats.items():
                     sums[k].append(float(v.detach()))
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            sums[f"{prefix}/grad_norm"].append(to_float(grad_norm))
+            grad_norm = to_float(nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+            if not math.isfinite(grad_norm):
+                if not skip_nonfinite:
+                    where = (f"micro-batch {bad_loss[0]} has loss {bad_loss[1]}" if bad_loss
+                             else "every micro-batch loss is finite on this rank")  # fmt: skip
+                    model.eval()
+                    raise NonFiniteUpdate(
+                        f"{prefix} update refused: gradient norm {grad_norm} in mini-batch {j} "
+                        f"(epoch {epoch}); {where}; first non-finite tensor: "
+                        f"{first_nonfinite_grad(model)}", stepped,
+                    )  # fmt: skip
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            sums[f"{prefix}/grad_norm"].append(grad_norm)
             sums[f"{prefix}/lr"].append(scheduler.get_last_lr()[0])
             optimizer.step()
             scheduler.step()
+            stepped += 1
     model.eval()
-    return {k: sum(v) / len(v) for k, v in sums.items()}
+    out = {k: sum(v) / len(v) for k, v in sums.items()}
+    if skip_nonfinite:
+        out[f"{prefix}/nonfinite_skipped"] = float(skipped)
+    return out
 
 
 def _micro_weights(mini: Batch, micro_size: int, mode: str) -> list[float]:

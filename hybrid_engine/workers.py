@@ -48,7 +48,13 @@ from hybrid_engine.sharding import (
     shard_model,
     world_size,
 )
-from hybrid_engine.updates import make_optimizer, micro_batches, model_device, ppo_updates
+from hybrid_engine.updates import (
+    NonFiniteUpdate,
+    make_optimizer,
+    micro_batches,
+    model_device,
+    ppo_updates,
+)
 
 # glibc malloc settings that keep freed memory for reuse: name -> (mallopt option number in
 # <malloc.h>, value). The environment variable MALLOC_<name> sets the same when a process starts.
@@ -220,14 +226,24 @@ class ActorRolloutRef:
                 parts.append((a.kl_loss_coef * stats["actor/kl_loss"], a.loss_agg_mode))
             return parts, stats
 
-        metrics = ppo_updates(
-            self.policy, self.optimizer, self.scheduler, batch, loss_fn, "actor",
-            a.ppo_epochs, a.ppo_mini_batch_size // world_size(), a.ppo_micro_batch_size,
-            a.optim.grad_clip,
-        )  # fmt: skip
+        try:
+            metrics = ppo_updates(
+                self.policy, self.optimizer, self.scheduler, batch, loss_fn, "actor",
+                a.ppo_epochs, a.ppo_mini_batch_size // world_size(), a.ppo_micro_batch_size,
+                a.optim.grad_clip, a.skip_nonfinite_steps,
+            )  # fmt: skip
+        except NonFiniteUpdate as e:
+            step = self.weights_version + 1
+            self.invalidate()
+            raise NonFiniteUpdate(f"step {step}: {e}", e.stepped) from None
         self.weights_version += 1
         self.weights_run = self.cfg.trainer.run_id
         return metrics
+
+    def invalidate(self) -> None:
+        """Mark these weights as no version at all (a refused update may have moved them, or
+        the critic's): whoever resumes reloads the last checkpoint instead of re-attaching."""
+        self.weights_version = -1
 
     # -------------------------------------------------------------------- state
     def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
@@ -344,7 +360,7 @@ class Critic:
         return ppo_updates(
             self.model, self.optimizer, self.scheduler, batch, loss_fn, "critic",
             c.ppo_epochs, c.ppo_mini_batch_size // world_size(), c.ppo_micro_batch_size,
-            c.optim.grad_clip,
+            c.optim.grad_clip, c.skip_nonfinite_steps,
         )  # fmt: skip
 
     def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hybrid_engine.config import HybridConfig
+from hybrid_engine.config import HybridConfig, redact
 from hybrid_engine.lora import adapter_files, lora_config
 from storage.store import RunStore
 
@@ -44,7 +44,7 @@ def save_final(
     adapter tensors of `adapter_state`); returns its URI."""
     summary = {
         "run_id": store.run_id,
-        "config": cfg.model_dump(mode="json"),
+        "config": redact(cfg.model_dump(mode="json")),
         "steps": len([h for h in rows if h.get("step", 0) > 0]),
         "last_step_metrics": rows[-1] if rows else {},
         "history": rows,

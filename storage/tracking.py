@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from hybrid_engine.config import HybridConfig, flatten
+from hybrid_engine.config import HybridConfig, flatten, redact
 from storage.store import RunStore
 
 log = logging.getLogger("hybridrl.tracking")
@@ -121,10 +121,10 @@ class Tracker:
             "hybridrl.run_id": store.run_id, "hybridrl.storage_uri": store.url,
         })  # fmt: skip
         run_id = run.info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in sorted(flatten(cfg).items())]
+        params = [Param(k, str(redact(v))[:6000]) for k, v in sorted(flatten(cfg).items())]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(run_id, params=params[i : i + 100])
-        client.log_text(run_id, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False),
+        client.log_text(run_id, yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False),
                         "config.yaml")  # fmt: skip
         return run_id
 

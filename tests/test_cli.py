@@ -97,3 +97,48 @@ def test_resume_is_checked_against_the_stored_run_and_a_longer_run_gets_a_new_fi
     assert summary["steps"] == 3 and summary["history"][-1]["step"] == 3
     after = load_file(tmp_path / "t2" / "final" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_nan_update_fails_the_run_with_one_line_and_writes_no_checkpoint(tmp_path):
+    root = Path(__file__).parents[1]
+    p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}", "trainer.run_id=n1",
+            "tracking.enabled=false", "trainer.save_freq=1", "algorithm.plugins=[plugin_nan]",
+            "actor.policy_loss.mode=plugin_nan", cwd=root)  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "step 1: actor update refused: gradient norm nan" in lines[0]
+    run_dir = tmp_path / "n1"
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "final").exists()
+    assert not (run_dir / "steps" / "1" / "update").exists()
+
+
+def test_secrets_in_env_maps_are_not_recorded_and_a_resume_asks_for_them(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    root = Path(__file__).parents[1]
+    secret = "s3cr3t-VALUE-42"
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    env_map = f"ray.worker_env={{AWS_SECRET_ACCESS_KEY: {secret}, MALLOC_ARENA_MAX: '2'}}"
+    p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}", "trainer.run_id=s1",
+            f"tracking.uri={db}", env_map, "trainer.total_training_steps=1", cwd=root)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    for path in (tmp_path / "s1").rglob("*.json"):
+        assert secret not in path.read_text(), path
+    client = MlflowClient(db)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("hybridrl").experiment_id])
+    assert (
+        secret not in str(mlrun.data.params) and "<redacted>" in mlrun.data.params["ray.worker_env"]
+    )
+    assert "MALLOC_ARENA_MAX" in mlrun.data.params["ray.worker_env"]
+    config_yaml = Path(client.download_artifacts(mlrun.info.run_id, "config.yaml", tmp_path))
+    assert secret not in config_yaml.read_text()
+    p = run("resume", "s1", "trainer.total_training_steps=2", f"storage.root={tmp_path}",
+            f"tracking.uri={db}", cwd=root)  # fmt: skip
+    assert (
+        p.returncode == 1
+        and "ray.worker_env.AWS_SECRET_ACCESS_KEY: secret values are not"
+        in p.stdout.replace("\n", " ")
+    ), p.stdout + p.stderr
+    p = run("resume", "s1", "trainer.total_training_steps=2", f"storage.root={tmp_path}",
+            f"tracking.uri={db}", env_map, cwd=root)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr

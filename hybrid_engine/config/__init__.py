@@ -30,6 +30,8 @@ from hybrid_engine.config.loading import (
     flatten,
     load_config,
     parse_overrides,
+    redact,
+    redacted_keys,
 )
 from hybrid_engine.config.root import HybridConfig
 from hybrid_engine.config.training import (
@@ -56,5 +58,5 @@ __all__ = [
     "OptimConfig", "PipelineConfig", "RayConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "RolloutLayout", "Section", "StorageConfig", "TinyModelConfig", "TrackingConfig",
     "TrainerConfig", "ValSamplingConfig", "config_from_dict", "config_reference", "flatten",
-    "import_plugins", "load_config", "parse_overrides",
+    "import_plugins", "load_config", "parse_overrides", "redact", "redacted_keys",
 ]  # fmt: skip

@@ -45,6 +45,34 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 SECRET = re.compile(r"secret|token|password|passwd|credential|api_?key|access_?key", re.I)
 
 
+SECRET_NAME = re.compile(
+    r"(^|_)(secret|token|password|passwd|credentials?|api_?key|access_?key)s?($|_)", re.I
+)
+REDACTED = "<redacted>"
+
+
+def redact(doc: Any, key: str = "") -> Any:
+    """A config dump as it may be recorded (MLflow, run.json, summary.json): the string values
+    of secret-looking names (`AWS_SECRET_ACCESS_KEY`, `HF_TOKEN`, `db_password` ...) in its
+    maps — `ray.worker_env`, `rollout.multi_turn.env_kwargs` — become "<redacted>"."""
+    if isinstance(doc, dict):
+        return {k: redact(v, str(k)) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [redact(v) for v in doc]
+    if isinstance(doc, str) and SECRET_NAME.search(key):
+        return REDACTED
+    return doc
+
+
+def redacted_keys(cfg: BaseModel) -> list[str]:
+    """Keys of `cfg` whose value is still "<redacted>" (a resumed run's secret not given again)."""
+    out = []
+    for key, value in flatten(cfg).items():
+        if isinstance(value, dict):
+            out += [f"{key}.{k}" for k, v in value.items() if v == REDACTED]
+    return out
+
+
 def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():

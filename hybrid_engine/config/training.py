@@ -160,6 +160,11 @@ class ActorConfig(Section):
         "length (rollout.max_new_tokens; multi-turn: rollout.multi_turn.max_total_tokens)",
     )
     entropy_coeff: float = Field(0.0, description="entropy bonus weight in the policy loss")
+    skip_nonfinite_steps: bool = Field(
+        False,
+        description="a NaN/Inf gradient skips that optimizer step (counted in "
+        "actor/nonfinite_skipped); false: the update is refused and the run fails naming it",
+    )
     use_kl_loss: bool = Field(
         False, description="KL to the reference policy as a loss term (GRPO style)"
     )
@@ -246,6 +251,9 @@ class CriticConfig(Section):
     ppo_micro_batch_size: int = Field(8, gt=0, description="samples per critic forward/backward")
     ppo_epochs: int = Field(1, gt=0, description="critic passes over a step's samples")
     cliprange_value: float = Field(0.5, gt=0, description="value clip around the old values")
+    skip_nonfinite_steps: bool = Field(
+        False, description="as actor.skip_nonfinite_steps, for the critic's optimizer steps"
+    )
     loss_agg_mode: LossAggMode = Field(
         "token-mean", description="how token value losses average into one"
     )
