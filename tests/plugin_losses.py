@@ -12,4 +12,3 @@ def scaled_pg(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mod
     pg = agg_loss(-0.5 * log_prob * advantages, response_mask, loss_agg_mode)
     zero = torch.zeros((), device=pg.device)
     return pg, zero, zero, zero
-
