@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.envs import Environment, Messages
+from hybrid_engine.rewards import token_level_scores
 from hybrid_engine.rollout import SamplingParams
 
 Generate = Callable[[Batch, SamplingParams], Batch]
@@ -81,11 +82,12 @@ def observation_ids(
     observation: Messages,
     tools: list[dict[str, Any]] | None,
     ended_with_eos: bool,
+    closing: list[int],
 ) -> list[int]:
     """The tokens between the assistant's last sampled token and the next assistant turn's
-    first: the rest of the template's closing of the assistant message (all of it when the
-    turn was cut before EOS), the observation messages, and the generation prompt.
-    `messages` ends with the assistant's message."""
+    first: the rest of the template's closing of the assistant message (`closing`, the tokens
+    of `turn_closing`; all of it when the turn was cut before EOS), the observation messages,
+    and the generation prompt. `messages` ends with the assistant's message."""
     before = render(tokenizer, messages, tools, False)
     after = render(tokenizer, messages + observation, tools, True)
     if not after.startswith(before):
@@ -93,7 +95,6 @@ def observation_ids(
             "the chat template renders a conversation differently once a message is added, so "
             "a multi-turn trajectory cannot be one token sequence with this tokenizer"
         )
-    closing = encode(tokenizer, turn_closing(tokenizer))
     if ended_with_eos and closing[:1] == [tokenizer.eos_token_id]:
         closing = closing[1:]
     return closing + encode(tokenizer, after[len(before) :])
@@ -130,6 +131,7 @@ def multi_turn_rollout(
             )
         trajs.append(Trajectory(env, messages, tools, ids))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    closing = encode(tokenizer, turn_closing(tokenizer))
     gen_s, turn_rows = 0.0, []
     for turn in range(1, max_turns + 1):
         active = [t for t in trajs if t.open]
@@ -176,7 +178,7 @@ def multi_turn_rollout(
                 t.stop = "max_turns"
             else:
                 obs_ids = observation_ids(tokenizer, t.messages, obs, t.tools,
-                                          bool(new) and new[-1] == eos)  # fmt: skip
+                                          bool(new) and new[-1] == eos, closing)  # fmt: skip
                 if len(t.ids) + len(obs_ids) >= max_total_tokens:  # no room left to answer
                     t.stop = "max_total_tokens"
                 else:
@@ -274,22 +276,19 @@ def multi_turn_scores(
     environment reward, or `scored[i]` (the scorer on its final answer) when the environment
     gave none; with `per_turn`, each turn's reward sits on that turn's last token and the
     score is their sum. acc = the environment's `success` where it said, else score >= 1."""
-    mask = batch["response_mask"]
-    token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-    scores = []
-    for i, (last, ends, turn_rewards) in enumerate(
-        zip(batch["env_reward"], batch["turn_ends"], batch["turn_rewards"], strict=True)
-    ):
-        if last is None:
-            scores.append(scored[i])
-            token_scores[i, ends[-1]] = scored[i]
-        elif per_turn:
-            for end, r in zip(ends, turn_rewards, strict=True):
-                token_scores[i, end] += r or 0.0
-            scores.append(sum(r or 0.0 for r in turn_rewards))
-        else:
-            scores.append(last)
-            token_scores[i, ends[-1]] = last
+    scores = [
+        scored[i] if last is None else sum(r or 0.0 for r in turns) if per_turn else last
+        for i, (last, turns) in enumerate(zip(batch["env_reward"], batch["turn_rewards"], strict=True))
+    ]  # fmt: skip
+    token_scores = token_level_scores(scores, batch["response_mask"])  # on the last token
+    if per_turn:  # each turn's reward on its own last token instead
+        for i, (last, ends, turns) in enumerate(
+            zip(batch["env_reward"], batch["turn_ends"], batch["turn_rewards"], strict=True)
+        ):
+            if last is not None:
+                token_scores[i].zero_()
+                for end, r in zip(ends, turns, strict=True):
+                    token_scores[i, end] += r or 0.0
     score_t = torch.tensor(scores, dtype=torch.float32)
     acc = [s >= 1.0 if ok is None else ok for s, ok in zip(scores, batch["success"], strict=True)]
     return score_t, torch.tensor(acc, dtype=torch.float32), token_scores

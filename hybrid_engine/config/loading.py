@@ -42,9 +42,6 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-SECRET = re.compile(r"secret|token|password|passwd|credential|api_?key|access_?key", re.I)
-
-
 SECRET_NAME = re.compile(
     r"(^|_)(secret|token|password|passwd|credentials?|api_?key|access_?key)s?($|_)", re.I
 )
@@ -78,7 +75,7 @@ def _describe(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            shown = "hidden" if SECRET.search(key.rpartition(".")[2]) else repr(e["input"])
+            shown = "hidden" if SECRET_NAME.search(key.rpartition(".")[2]) else repr(e["input"])
             lines.append(f"unknown key {key!r} (value {shown})")
         elif key and e["type"] != "value_error":  # our own validators name the key
             lines.append(f"{key}={e['input']!r}: {e['msg']}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from typing import Any
 
 from transformers.utils import get_json_schema
@@ -39,6 +40,7 @@ and stop: its result comes back in a <tool_response> message. The tools, as JSON
 {schemas}"""
 
 
+@lru_cache(maxsize=8)
 def template_renders_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template puts a tool's schema into the prompt."""
     probe = [{"role": "user", "content": "hi"}]
@@ -58,6 +60,12 @@ def zq_probe_tool(x: int) -> int:
         x: a number
     """
     return x
+
+
+@lru_cache(maxsize=64)
+def tool_schema(spec: str) -> dict[str, Any]:
+    """The JSON schema of tool `module:function` (one environment per trajectory: cached)."""
+    return get_json_schema(load_tool(spec))
 
 
 def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
@@ -98,7 +106,7 @@ class ToolEnvironment(Environment):
         if protocol not in ("auto", "template", "text"):
             raise ValueError(f"tools: protocol={protocol!r} must be auto, template or text")
         self.specs = {load_tool(spec).__name__: spec for spec in tools}
-        self.schemas = [get_json_schema(load_tool(spec)) for spec in tools]
+        self.schemas = [tool_schema(spec) for spec in tools]
         self.protocol, self.example = protocol, example
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
         self.max_calls_per_turn = max_calls_per_turn
