@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from hybrid_engine.config import load_config
-from hybrid_engine.trainer import Engine, peak_rss_gb
+from hybrid_engine.step_metrics import peak_rss_gb
+from hybrid_engine.trainer import Engine
 
 
 def cpu_model() -> str:

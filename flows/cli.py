@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Annotated
 
 import typer
@@ -62,10 +63,6 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
             cfg, _ = open_run(None, overrides, run_id, resume=True)
         else:
             cfg = load_config(config, overrides)
-        if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
-            from hybrid_engine.workers import reuse_freed_memory
-
-            reuse_freed_memory()
         if not resume:  # bad input fails here, in a second, before Prefect starts
             from storage.store import new_run_id, validate_run_id
 
@@ -73,14 +70,25 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
                 from storage.tracking import check_tracking, tracking_uri
 
                 check_tracking(tracking_uri(cfg))
+            from flows.preflight import preflight
+
+            preflight(cfg)  # model dirs, data, reward function, storage root: seconds
             run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
+            from flows.train import refuse_existing
+            from storage.store import RunStore
+
+            refuse_existing(RunStore(cfg.storage, run_id))
             console.print(f"run id: [bold]{run_id}[/]")
+        if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
+            from hybrid_engine.workers import reuse_freed_memory
+
+            reuse_freed_memory()
         from flows.train import train as train_flow
 
         if not debug:
             for handler in logging.getLogger().handlers:  # Prefect's console handler
                 handler.addFilter(_NoTraceback())
-        kwargs = {"overrides": overrides}
+        kwargs = {"overrides": secrets_to_environment(overrides)}
         kwargs |= {"resume_from": run_id} if resume else {"config": config, "run_id": run_id}
         if console.is_terminal and not debug:  # live steps/stage lines under the log
             from flows.display import LiveDisplay
@@ -92,6 +100,9 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
             result = train_flow(**kwargs)
         rows = result.get("last", {})
         console.print(f"run {result['run_id']}: {result['steps']} steps recorded")
+        if result.get("recoveries"):
+            console.print(f"recovered from {result['recoveries']} worker fault(s) on the way "
+                          "(run.json: recoveries)")  # fmt: skip
         if "val/accuracy" in rows:
             console.print(f"final val/accuracy: {rows['val/accuracy']:.3f}")
         console.print(f"final policy: {result['uri']}")
@@ -103,10 +114,39 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
     except (KeyboardInterrupt, typer.Exit):
         raise
     except Exception as e:
+        from prefect.exceptions import CancelledRun
+
+        if isinstance(e, CancelledRun):  # SIGTERM: the flow run ended in state "Preempted"
+            console.print(f"[yellow]{e}[/]", soft_wrap=True)
+            raise typer.Exit(143) from None
         if debug:
             raise
         console.print(f"[red]error:[/] {type(e).__name__}: {e}", soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+def secrets_to_environment(overrides: list[str]) -> list[str]:
+    """Overrides that carry a secret-looking value (`ray.worker_env={AWS_SECRET_ACCESS_KEY:
+    ...}`) go to this process's environment as `HYBRIDRL_<SECTION>__<KEY>` instead of the
+    flow's parameters, which Prefect records with the flow run; the flow reads them from
+    there (same process). The others are returned."""
+    import json
+
+    from hybrid_engine.config import parse_overrides, redact
+
+    kept = []
+    for item in overrides:
+        parsed = parse_overrides([item])
+        if redact(parsed) == parsed:
+            kept.append(item)
+            continue
+        key = item.partition("=")[0].strip()
+        value = parsed
+        for part in key.split("."):
+            value = value[part]
+        name = "HYBRIDRL_" + "__".join(p.upper() for p in key.split("."))
+        os.environ[name] = value if isinstance(value, str) else json.dumps(value)
+    return kept
 
 
 @app.command()

@@ -9,12 +9,15 @@
     finish             final policy + summary.json
 
 Every task skips work its stage has committed, so the same flow both starts a run and
-resumes one (`resume_from=<run_id>`), wherever the previous flow run stopped.
+resumes one (`resume_from=<run_id>`), wherever the previous flow run stopped. The same
+property heals a run in place: a worker that dies or hangs ends the pass, the pool is
+re-created and the steps run again from `restore` (`tasks.recovery`).
 Parameters are plain JSON values (a deployment can pass them).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import subprocess
 import time
@@ -22,7 +25,8 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import State, flow, get_run_logger
+from prefect.states import Cancelled
 
 from hybrid_engine.config import (
     ConfigError,
@@ -33,6 +37,7 @@ from hybrid_engine.config import (
     redact,
     redacted_keys,
 )
+from hybrid_engine.pool import WorkerLostError
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
 from storage.final import history
@@ -40,6 +45,14 @@ from storage.store import RunStore, new_run_id, validate_run_id
 from storage.tracking import Tracker
 from tasks.checkpoint import checkpoint, finish, restore
 from tasks.progress import emit
+from tasks.recovery import (
+    CLOCK,
+    Preempted,
+    Recovery,
+    clean_up_after,
+    driver_record,
+    preemption,
+)
 from tasks.stages import advantage, reward, rollout, update, validate
 
 # What a resumed run may change: where things live and run, not what is computed.
@@ -64,19 +77,62 @@ def train(
     overrides: list[str] | None = None,
     run_id: str | None = None,
     resume_from: str | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Train a policy from a YAML preset + dotted overrides, as run `run_id` (default
     `<preset>-<timestamp>`); or continue run `resume_from` where it stopped (its stored
-    config, plus the overrides a resume may change)."""
+    config, plus the overrides a resume may change). With both `config` and `resume_from`
+    (a deployment that resumes itself), a run that does not exist yet is started.
+
+    A dead or hung worker is recovered from by itself (`tasks.recovery`); SIGTERM ends the
+    flow run in state "Preempted" with every committed stage kept."""
     logger = get_run_logger()
+    if resume_from and config and not run_exists(config, overrides or [], resume_from):
+        logger.info("run %s does not exist yet: starting it from %s", resume_from, config)
+        run_id, resume_from = resume_from, None
     resume = resume_from is not None
     cfg, store = open_run(config, overrides or [], resume_from or run_id, resume)
-    t = cfg.trainer
-    engine = Engine(cfg, reset_pool=not resume)
-    if not resume:  # recorded once the run could start (a bad config leaves nothing behind)
-        store.write_run({"run_id": store.run_id, "config": redact(cfg.model_dump(mode="json")),
-                         "code_version": code_version(), "created_at": time.time()})  # fmt: skip
+    name_flow_run(store.run_id)
+    if resume:  # a SIGKILLed driver of this run may have left its Prefect server running
+        doc = store.read_run() or {}
+        clean_up_after(doc.get("driver"))
+        store.write_run({**doc, "driver": driver_record()})
+    recovery = Recovery(cfg, store)
+    track = None
+    try:
+        with preemption():
+            engine = start_engine(cfg, resume)
+            if not resume:  # recorded once the run could start (a bad config leaves nothing)
+                store.write_run({"run_id": store.run_id,
+                                 "config": redact(cfg.model_dump(mode="json")),
+                                 "code_version": code_version(), "created_at": time.time(),
+                                 "driver": driver_record()})  # fmt: skip
+            track = StepLog(cfg, store)
+            with track:
+                while True:  # each pass: restore the weights, run what is not committed
+                    try:
+                        result = run_steps(engine, store, track)
+                        break
+                    except WorkerLostError as e:
+                        track.recovered(recovery.handle(e, engine), recovery.count)
+    except Preempted as e:
+        if cancelling():  # the SIGTERM was Prefect carrying out a cancellation
+            return Cancelled(message=f"cancelled at {e}; `hybridrl resume {store.run_id}`")
+        line = (f"preempted ({e}): every committed stage is kept, nothing is half-written; "
+                f"continue with `hybridrl resume {store.run_id}`")  # fmt: skip
+        logger.warning(line)
+        return Cancelled(name="Preempted", message=line)
+    pool = cfg.ray.pool_name if engine.pool is not None else None
+    return result | {"run_id": store.run_id, "pool": pool, "recoveries": recovery.count,
+                     "mlflow_run_id": track.run_id}  # fmt: skip
+
+
+def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]:
+    """Restore the weights the run needs next, then the steps from there: each task skips
+    what its stage has committed (and the update replays committed updates)."""
+    logger = get_run_logger()
+    t = engine.cfg.trainer
     start, how = restore(engine, store)
+    CLOCK.seed(store, start)  # a resumed run's stage time limits, from its stored stages
     if start > t.total_training_steps:
         logger.info("run %s in %s: %d steps done (%s), trainer.total_training_steps is %d: "
                     "nothing to train; a larger trainer.total_training_steps continues it",
@@ -84,49 +140,87 @@ def train(
     else:
         logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
     emit("run_started", run_id=store.run_id, start=start, total=t.total_training_steps)
-    track = StepLog(cfg, store)
-    opts = task_options(cfg)
+    opts = task_options(engine.cfg)
     rollout_, reward_, advantage_, update_ = (
         s.with_options(**opts) for s in (rollout, reward, advantage, update)
     )
     validate_, checkpoint_ = validate.with_options(**opts), checkpoint.with_options(**opts)
 
-    with track:
-        done = validate_(engine, store, 0) if t.val_before_train else None
-        if done:
-            track.step(0, done.metrics)
-        step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
-        for step in range(start, t.total_training_steps + 1):
-            began = time.perf_counter()
-            rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
-            scored = reward_(engine, store, step, rolled)
-            advantaged = advantage_(engine, store, step, scored)
-            done = update_(engine, store, step, advantaged)
-            step_wall_s[step] = time.perf_counter() - began
-            metrics = done.metrics
-            last = step == t.total_training_steps
-            if last or (t.test_freq and step % t.test_freq == 0):
-                metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
-            track.step(step, metrics, [rolled, scored, advantaged, done])
-            if last or (t.save_freq and step % t.save_freq == 0):
-                saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
-                track.tags({"hybridrl.checkpoint": saved.uri})
-            fault_point(f"step-{step}:end")
-            line = step_line(step, metrics, [rolled, scored, advantaged, done])
-            logger.info(line)
-            emit("step_finished", step=step, metrics=metrics, line=line)
-        result = finish(engine, store, wait_for=[done] if done else None)
-        track.tags({"hybridrl.final": result["uri"]})
-    pool = cfg.ray.pool_name if engine.pool is not None else None
-    return result | {"run_id": store.run_id, "pool": pool, "step_wall_s": step_wall_s,
-                     "mlflow_run_id": track.run_id}  # fmt: skip
+    done = validate_(engine, store, 0) if t.val_before_train else None
+    if done:
+        track.step(0, done.metrics)
+    step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
+    for step in range(start, t.total_training_steps + 1):
+        began = time.perf_counter()
+        rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
+        scored = reward_(engine, store, step, rolled)
+        advantaged = advantage_(engine, store, step, scored)
+        done = update_(engine, store, step, advantaged)
+        step_wall_s[step] = time.perf_counter() - began
+        metrics = done.metrics
+        last = step == t.total_training_steps
+        if last or (t.test_freq and step % t.test_freq == 0):
+            metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
+        track.step(step, metrics, [rolled, scored, advantaged, done])
+        if last or (t.save_freq and step % t.save_freq == 0):
+            saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
+            track.tags({"hybridrl.checkpoint": saved.uri})
+        fault_point(f"step-{step}:end")
+        line = step_line(step, metrics, [rolled, scored, advantaged, done])
+        logger.info(line)
+        emit("step_finished", step=step, metrics=metrics, line=line)
+    result = finish(engine, store, wait_for=[done] if done else None)
+    track.tags({"hybridrl.final": result["uri"]})
+    return result | {"step_wall_s": step_wall_s}
+
+
+def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
+    """The engine. A pool found broken (left so by an earlier driver) is removed and created
+    anew, once; the restore that follows loads the run's last checkpoint into it."""
+    try:
+        return Engine(cfg, reset_pool=not resume)
+    except WorkerLostError as e:
+        get_run_logger().warning("pool %r is broken (%s): removing it and starting a new one",
+                                 cfg.ray.pool_name, e)  # fmt: skip
+        from hybrid_engine.pool import down
+
+        down(cfg.ray.pool_name, stop_head=False)
+        return Engine(cfg, reset_pool=not resume)
+
+
+def name_flow_run(run_id: str) -> None:
+    """The flow run is named after the run id (a deployment run started without one gets
+    it here): a deployment trigger resumes a preempted run by this name."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if flow_run.id and flow_run.name != run_id:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=run_id)
+
+
+def cancelling() -> bool:
+    """Whether this flow run is being cancelled (Prefect's runner sends SIGTERM for that
+    too): a cancellation must not look like a preemption, or a trigger would resume it."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.runtime import flow_run
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run.id).state
+    return state is not None and state.type == StateType.CANCELLING
+
+
+def run_exists(config: str, overrides: list[str], run_id: str) -> bool:
+    cfg = load_config(config, overrides)
+    return RunStore(cfg.storage, validate_run_id(run_id)).read_run() is not None
 
 
 # ----------------------------------------------------------------------------- helpers
 class StepLog:
     """MLflow for the flow (`tracking.enabled`): each step's metrics exactly once, the run
-    marked FINISHED at the end and FAILED when the flow raises (a killed driver leaves it
-    RUNNING until the resume finishes it)."""
+    marked FINISHED at the end, KILLED when preempted and FAILED when the flow raises (a
+    SIGKILLed driver leaves it RUNNING until the resume finishes it)."""
 
     def __init__(self, cfg: HybridConfig, store: RunStore) -> None:
         from prefect.runtime import flow_run
@@ -167,12 +261,23 @@ class StepLog:
         if self.tracker is not None:
             self.tracker.set_tags(tags)
 
+    def recovered(self, event: dict[str, Any], count: int) -> None:
+        """A recovery: tag `hybridrl.recoveries` and metric `recoveries` at its step."""
+        if self.tracker is not None:
+            self.tracker.set_tags({"hybridrl.recoveries": str(count),
+                                   "hybridrl.last_recovery": f"{event['where']}: {event['worker']} "
+                                   f"{event['how']}"})  # fmt: skip
+            self.tracker.log_metric("recoveries", count, event["step"])
+
     def __enter__(self) -> StepLog:
         return self
 
     def __exit__(self, kind: type | None, *_: Any) -> None:
         if self.tracker is not None:
-            self.tracker.finish("FINISHED" if kind is None else "FAILED")
+            status = "FINISHED" if kind is None else "FAILED"
+            if kind is not None and issubclass(kind, Preempted):
+                status = "KILLED"
+            self.tracker.finish(status)
 
 
 def open_run(
@@ -206,12 +311,17 @@ def open_run(
     cfg = load_config(config, overrides)
     cfg.trainer.run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
     store = RunStore(cfg.storage, cfg.trainer.run_id)
+    refuse_existing(store)
+    return cfg, store
+
+
+def refuse_existing(store: RunStore) -> None:
+    """A new run may not take the id of a run that exists."""
     if store.read_run() is not None:
         raise FileExistsError(
-            f"run {store.run_id!r} already exists in {cfg.storage.root}: resume it with "
+            f"run {store.run_id!r} already exists in {store.cfg.root}: resume it with "
             f"`hybridrl resume {store.run_id}` or choose another trainer.run_id"
         )
-    return cfg, store
 
 
 def task_options(cfg: HybridConfig) -> dict[str, Any]:
@@ -228,9 +338,13 @@ NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADire
                  FileExistsError)  # fmt: skip
 
 
+STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 def is_transient(e: BaseException) -> bool:
-    """Worth retrying: I/O and network errors (S3, a connection reset, a timeout)."""
-    if isinstance(e, NOT_TRANSIENT):
+    """Worth retrying: I/O and network errors (S3, a connection reset, a timeout); not a
+    full or read-only disk."""
+    if isinstance(e, NOT_TRANSIENT) or getattr(e, "errno", None) in STORAGE_FULL:
         return False
     if isinstance(e, OSError):  # ConnectionError, TimeoutError, socket errors
         return True

@@ -69,13 +69,13 @@ def ensure_smollm2() -> Path:
     return target
 
 
-def resolve_model_path(path: str) -> Path:
+def resolve_model_path(path: str, key: str = "model.path") -> Path:
     if path == SMOLLM2:
         return ensure_smollm2()
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
-            f"model.path={path!r} is not a Hugging Face model directory (no config.json), "
+            f"{key}={path!r} is not a Hugging Face model directory (no config.json), "
             f"nor one of the built-in names {SMOLLM2!r}, {TINY!r}"
         )
     return p

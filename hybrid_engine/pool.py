@@ -21,19 +21,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import resource
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.config import HybridConfig, import_plugins
+from hybrid_engine.config import HybridConfig
 from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 from hybrid_engine.models import load_tokenizer
+from hybrid_engine.pool_worker import RemoteWorker, group_plan, pool_spec
 from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's interface
     PoolError,
     _free_port,
@@ -44,137 +45,35 @@ from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's in
     stop_local_head,
 )
 from hybrid_engine.rollout import SamplingParams
-from hybrid_engine.workers import REUSE_FREED_MEMORY_ENV, ActorRolloutRef, Critic, RewardModel
+from hybrid_engine.workers import REUSE_FREED_MEMORY_ENV
 
 
-class WorkerDiedError(PoolError):
+class WorkerLostError(PoolError):
+    """A worker is gone or stopped answering: the pool must be re-created (the flow's
+    recovery does that by itself, `pipeline.max_recoveries` times)."""
+
+    def __init__(self, message: str, worker: str, how: str) -> None:
+        super().__init__(message)
+        self.worker, self.how = worker, how  # e.g. "actor-1", "died" | "hung"
+
+
+class WorkerDiedError(WorkerLostError):
     """A worker process is gone; the message names it."""
 
 
-# --------------------------------------------------------------------------- workers
-def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
-    """What a worker is built from; a pool whose spec differs cannot serve `cfg`."""
-    return {
-        "model": cfg.model.model_dump(),
-        "actor.layout": cfg.actor.layout.model_dump(),
-        "actor.optim": cfg.actor.optim.model_dump(),
-        "actor.lora": cfg.actor.lora.model_dump(),
-        "critic": cfg.use_critic and {
-            "model_path": cfg.critic.model_path, "optim": cfg.critic.optim.model_dump(),
-            "placement": cfg.ray.critic, "dp": cfg.ray.critic_dp,
-        },
-        "reward_model": cfg.use_reward_model and {
-            "model_path": cfg.reward.model_path, "placement": cfg.ray.reward_model,
-            "dp": cfg.ray.reward_model_dp,
-        },
-        "reference": cfg.use_reference,
-        "rollout.name": cfg.rollout.name,
-        "trainer.seed": cfg.trainer.seed,
-        "resources": [cfg.ray.num_cpus_per_rank, cfg.ray.num_gpus_per_rank],
-    }  # fmt: skip
-
-
-def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
-    """group name -> (ranks, roles hosted by each rank's process)."""
-    actor_roles = ["actor"]
-    plan: dict[str, tuple[int, list[str]]] = {}
-    if cfg.use_critic:
-        if cfg.ray.critic == "colocated":
-            actor_roles.append("critic")
-        else:
-            plan["critic"] = (cfg.ray.critic_dp, ["critic"])
-    if cfg.use_reward_model:
-        if cfg.ray.reward_model == "colocated":
-            actor_roles.append("rm")
-        else:
-            plan["rm"] = (cfg.ray.reward_model_dp, ["rm"])
-    return {"actor": (cfg.actor.layout.dp, actor_roles), **plan}
-
-
-class Worker:
-    """One process of a group: hosts its roles on one rank. Runs as a detached Ray actor."""
-
-    def __init__(self, cfg: HybridConfig, group: str, rank: int, world: int, roles: list[str]):
-        self.cfg, self.group, self.rank, self.world = cfg, group, rank, world
-        import_plugins(cfg.algorithm.plugins)  # the run's own losses, registered here too
-        self.role_names = roles
-        self.spec = pool_spec(cfg)
-        self.roles: dict[str, Any] = {}
-        self.error: str | None = None
-
-    def address(self) -> str:
-        """Rank 0 hosts the group's rendezvous."""
-        return f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-
-    def setup(self, init_method: str, threads: int) -> dict:
-        from hybrid_engine.sharding import init_group
-
-        torch.set_num_threads(threads)
-        backend = "gloo"
-        if self.cfg.device == "cuda":  # Ray exposes this worker's GPU as device 0
-            torch.cuda.set_device(0)
-            backend = "nccl"
-        init_group(self.rank, self.world, init_method, self.cfg.ray.call_timeout_s, backend)
-        self.build()
-        return self.info()
-
-    def build(self) -> None:
-        """(Re)create the roles from the config: fresh weights, optimizer and version 0."""
-        tokenizer = load_tokenizer(self.cfg.model)
-        make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel}
-        self.roles = {}  # free the old models first
-        self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
-        self.error = None
-
-    def configure(self, cfg: HybridConfig) -> None:
-        """Take a run's settings that do not change what the workers hold (batch sizes,
-        clip ratios, sampling, ...); `pool_spec` guards the rest."""
-        if pool_spec(cfg) != self.spec:
-            raise PoolError("configure: the pool spec differs")
-        import_plugins(cfg.algorithm.plugins)
-        self.cfg = cfg
-        for role in self.roles.values():
-            role.configure(cfg)
-
-    def call(self, role: str, method: str, *args: Any) -> Any:
-        """A stage operation of one role. A failure marks the worker unhealthy: under FSDP
-        its peers may be left mid-collective, so the group must be rebuilt."""
-        try:
-            return getattr(self.roles[role], method)(*args)
-        except Exception as e:
-            self.error = f"{role}.{method}: {type(e).__name__}: {e}"
-            raise
-
-    @ray.method(concurrency_group="status")
-    def get_spec(self) -> dict:  # answers at once; `configure` then waits for a call in flight
-        return self.spec
-
-    @ray.method(concurrency_group="status")
-    def rollout_progress(self, role: str) -> dict | None:  # answers while `generate` runs
-        return self.roles[role].rollout_progress() if role in self.roles else None
-
-    @ray.method(concurrency_group="status")
-    def info(self) -> dict:
-        mem = psutil.Process().memory_info().rss
-        out = {
-            "name": f"{self.group}-{self.rank}", "group": self.group, "rank": self.rank,
-            "world": self.world, "roles": self.role_names, "pid": os.getpid(),
-            "node": ray.util.get_node_ip_address(), "rss_gb": mem / 1024**3,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
-            "healthy": bool(self.roles) and self.error is None, "error": self.error,
-        }  # fmt: skip
-        for name, role in self.roles.items():
-            out[name] = role.info()
-        if "actor" in self.roles:
-            out["weights_version"] = self.roles["actor"].weights_version
-        return out
-
-
-# `info` answers while a long stage call runs (its own thread); stage calls run one at a time.
-RemoteWorker = ray.remote(max_restarts=0, concurrency_groups={"status": 1})(Worker)
+class WorkerHungError(WorkerLostError):
+    """A worker did not answer within the stage's time limit (stopped, deadlocked, or a
+    peer of a dead rank waiting in a collective)."""
 
 
 # ---------------------------------------------------------------------- worker groups
+class StageLimit:
+    """How long a call of the running stage may take (shared by a pool's groups)."""
+
+    def __init__(self, seconds: float, why: str) -> None:
+        self.seconds, self.why = seconds, why
+
+
 class WorkerGroup:
     """The ranks of one group: call a method on all of them, split / gather the batch."""
 
@@ -182,6 +81,7 @@ class WorkerGroup:
         self.cfg, self.name, self.handles = cfg, name, handles
         self.pool_name = cfg.ray.pool_name
         self.pids = [0] * len(handles)  # filled in once the workers answer
+        self.limit = StageLimit(cfg.ray.call_timeout_s, "ray.call_timeout_s")
 
     @functools.cached_property
     def pad_token_id(self) -> int:
@@ -193,33 +93,71 @@ class WorkerGroup:
         return len(self.handles)
 
     def wait(self, refs: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
-        """Results in rank order; a dead worker or a timeout raises at once, naming it."""
-        timeout_s = timeout_s or self.cfg.ray.call_timeout_s
+        """Results in rank order. A dead worker raises at once (WorkerDiedError); no answer
+        within `timeout_s` (else the stage's limit, else `ray.call_timeout_s`) raises
+        WorkerHungError naming the workers that stopped answering; an exception raised in a
+        worker is raised here as itself (its message, not Ray's traceback dump)."""
+        if timeout_s is None:
+            timeout_s, why = self.limit.seconds, self.limit.why
+        else:
+            why = "the start-up limit"
         deadline = time.monotonic() + timeout_s
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(
-                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
-            )
-            if not ready:
-                names = ", ".join(f"{self.name}-{index[r]}" for r in pending)
-                raise PoolError(
-                    f"{what}: no answer from {names} within ray.call_timeout_s={timeout_s:g}s"
-                )
+        while pending:  # in slices of a second: a signal (SIGTERM) is handled meanwhile
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._hung([index[r] for r in pending], what, timeout_s, why)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(1.0, left))
             for ref in ready:
                 i = index[ref]
                 try:
                     results[i] = ray.get(ref)
                 except RayActorError as e:
+                    name = f"{self.name}-{i}"
                     raise WorkerDiedError(
-                        f"{what}: worker {self.name}-{i} (pid {self.pids[i]}) of pool "
-                        f"{self.pool_name!r} died ({type(e).__name__}). Re-create the pool "
-                        f"(`hybridrl pool down --pool {self.pool_name}`, then start again) and "
-                        "restore the last saved state."
+                        f"{what}: worker {name} (pid {self.pids[i]}) of pool "
+                        f"{self.pool_name!r} died ({type(e).__name__})",
+                        name,
+                        "died",
                     ) from None
+                except RayTaskError as e:
+                    self._check_peers(what)  # a collective broken by a dead peer
+                    raise e.cause from None  # e.g. NonFiniteUpdate, with its own message
         return results
+
+    def _hung(self, ranks: list[int], what: str, timeout_s: float, why: str) -> None:
+        """Raise WorkerHungError naming the waited-for workers that do not even answer a
+        status call (a rank stuck in a collective behind a stopped peer still answers)."""
+        silent = [i for i in ranks if not self._answers(i)] or ranks
+        names = [f"{self.name}-{i} (pid {self.pids[i]})" for i in silent]
+        raise WorkerHungError(
+            f"{what}: {', '.join(names)} of pool {self.pool_name!r} did not answer within "
+            f"{timeout_s:.0f} s ({why})",
+            f"{self.name}-{silent[0]}",
+            "hung",
+        )
+
+    def _check_peers(self, what: str) -> None:
+        """A rank's error can be a symptom (gloo: "Connection closed by peer"): if a rank
+        of the group is dead or silent, that is the fault to report."""
+        for i in range(self.ranks):
+            if not self._answers(i):
+                name = f"{self.name}-{i}"
+                raise WorkerDiedError(
+                    f"{what}: worker {name} (pid {self.pids[i]}) of pool {self.pool_name!r} "
+                    "died or stopped answering (its peers' collectives failed)",
+                    name,
+                    "died",
+                )
+
+    def _answers(self, rank: int) -> bool:
+        try:
+            ray.get(self.handles[rank].info.remote(), timeout=5.0)
+            return True
+        except (RayActorError, GetTimeoutError):
+            return False
 
     def call_all(self, role: str, method: str, *args: Any) -> list[Any]:
         refs = [h.call.remote(role, method, *args) for h in self.handles]
@@ -348,6 +286,19 @@ class Pool:
         self.cfg, self.groups, self.name = cfg, groups, cfg.ray.pool_name
         self.attach_seconds = 0.0
         self.created = False
+        self.limit = StageLimit(cfg.ray.call_timeout_s, "ray.call_timeout_s")
+        for g in groups.values():
+            g.limit = self.limit
+
+    @contextlib.contextmanager
+    def time_limit(self, seconds: float, why: str) -> Iterator[None]:
+        """Calls made in the block that take longer than `seconds` raise WorkerHungError."""
+        before = self.limit.seconds, self.limit.why
+        self.limit.seconds, self.limit.why = seconds, why
+        try:
+            yield
+        finally:
+            self.limit.seconds, self.limit.why = before
 
     @staticmethod
     def namespace(name: str) -> str:
@@ -387,7 +338,16 @@ class Pool:
             spec = ray.get(handles["actor-0"].get_spec.remote(), timeout=30)
         except RayActorError:
             raise WorkerDiedError(
-                f"worker actor-0 of pool {name!r} is dead; `hybridrl pool down --pool {name}`"
+                f"worker actor-0 of pool {name!r} is dead; `hybridrl pool down --pool {name}`",
+                "actor-0",
+                "died",
+            ) from None
+        except GetTimeoutError:
+            raise WorkerHungError(
+                f"worker actor-0 of pool {name!r} does not answer within 30 s; "
+                f"`hybridrl pool down --pool {name}`",
+                "actor-0",
+                "hung",
             ) from None
         want = pool_spec(cfg)
         if spec != want:
@@ -411,7 +371,9 @@ class Pool:
             if dead:
                 raise WorkerDiedError(
                     f"pool {name!r}: worker(s) {dead} are dead or unhealthy; "
-                    f"`hybridrl pool down --pool {name}`, then start again"
+                    f"`hybridrl pool down --pool {name}`, then start again",
+                    dead[0],
+                    "died",
                 )
             g.wait([h.configure.remote(cfg) for h in g.handles], "configure")
         return pool
@@ -463,6 +425,18 @@ class Pool:
     def down(self, stop_head: bool = True) -> None:
         down(self.name, stop_head)
 
+    def teardown(self) -> list[str]:
+        """Remove a broken pool so the same spec can be created again: its worker processes
+        on this machine are killed outright (a stopped one cannot act on Ray's kill), then
+        every named worker is killed and its name released. The head stays up."""
+        for g in self.groups.values():
+            for pid in g.pids:
+                with contextlib.suppress(psutil.Error):
+                    proc = psutil.Process(pid)
+                    if proc.name().startswith("ray::") or "ray" in " ".join(proc.cmdline()[:2]):
+                        proc.kill()
+        return down(self.name, stop_head=False)
+
 
 def pool_status(pool_name: str) -> list[dict]:
     """Every worker's report (a dead one as unhealthy), without a config."""
@@ -490,6 +464,9 @@ def down(pool_name: str, stop_head: bool = True) -> list[str]:
     for n in killed:
         with contextlib.suppress(ValueError):  # already gone
             ray.kill(ray.get_actor(n, namespace=ns), no_restart=True)
+    deadline = time.monotonic() + 30
+    while find_workers(pool_name) and time.monotonic() < deadline:  # names are released
+        time.sleep(0.1)
     others = [a for a in ray.util.list_named_actors(all_namespaces=True)
               if a["namespace"].startswith("hybridrl-") and a["namespace"] != ns]  # fmt: skip
     if stop_head and not others and not (os.environ.get("RAY_ADDRESS")):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import hashlib
 import json
 import os
@@ -202,8 +203,18 @@ def _write(url: str, data: bytes, options: dict | None) -> str:
     """Write `data` to `url` (any fsspec URL); returns its sha256."""
     fs, path = fsspec.core.url_to_fs(url, **(options or {}))
     fs.makedirs(os.path.dirname(path), exist_ok=True)
-    fs.pipe_file(path, data)
+    try:
+        fs.pipe_file(path, data)
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        with contextlib.suppress(OSError):  # a partial object would only hold space
+            fs.rm(path)
+        raise OSError(e.errno, f"{e.strerror}: writing {url} ({len(data) / 1e6:.1f} MB)") from None
     return hashlib.sha256(data).hexdigest()
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the storage cannot take the object
 
 
 def _read(url: str, options: dict | None, expected: dict[str, str] | None = None) -> bytes:
@@ -242,22 +253,26 @@ def save_state(
     if rank != 0:
         dist.barrier()  # returns once rank 0 has written everything
         return written
-    tensors, aliases = _dedup(weights)
-    write("model.safetensors", st_save(tensors))
-    doc = {"aliases": aliases, "extra": extra}
-    if optim is not None:
-        flat = {
-            f"{name}::{k}": torch.as_tensor(v).contiguous()
-            for name, st in optim["state"].items()
-            for k, v in st.items()
-        }
-        write("optim.safetensors", st_save(flat))
-        doc["param_groups"] = optim["param_groups"]
-    if scheduler is not None:
-        doc["scheduler"] = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-    write("state.json", json.dumps(doc, sort_keys=True, default=list).encode())
-    if dist.is_initialized():
-        dist.barrier()
+    try:
+        tensors, aliases = _dedup(weights)
+        write("model.safetensors", st_save(tensors))
+        doc = {"aliases": aliases, "extra": extra}
+        if optim is not None:
+            flat = {
+                f"{name}::{k}": torch.as_tensor(v).contiguous()
+                for name, st in optim["state"].items()
+                for k, v in st.items()
+            }
+            write("optim.safetensors", st_save(flat))
+            doc["param_groups"] = optim["param_groups"]
+        if scheduler is not None:
+            doc["scheduler"] = {
+                k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"
+            }
+        write("state.json", json.dumps(doc, sort_keys=True, default=list).encode())
+    finally:  # a failed write (a full disk) must not leave the other ranks at the barrier
+        if dist.is_initialized():
+            dist.barrier()
     return written
 
 

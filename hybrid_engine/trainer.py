@@ -11,10 +11,8 @@ The Prefect tasks call exactly these four methods.
 
 from __future__ import annotations
 
-import resource
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,19 +39,8 @@ from hybrid_engine.multiturn import (
 )
 from hybrid_engine.rewards import RewardScorer, overlong_penalty, token_level_scores
 from hybrid_engine.rollout import SamplingParams
+from hybrid_engine.step_metrics import batch_stats, finish_step, timer
 from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
-
-
-@contextmanager
-def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    metrics[f"timing_s/{name}"] = time.perf_counter() - start
-
-
-def peak_rss_gb() -> float:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -92,14 +79,9 @@ class Engine:
         if cfg.trainer.backend == "ray":
             from hybrid_engine.pool import Pool
 
-            self.pool = Pool.up(cfg)
-            self.actor = self.pool.role("actor")
+            self._use_pool(Pool.up(cfg))
             if reset_pool and not self.pool.created and self.actor.weights_version != 0:
                 self.pool.reset()
-            if cfg.use_critic:
-                self.critic = self.pool.role("critic")
-            if cfg.use_reward_model:
-                self.reward_model = self.pool.role("rm")
         else:
             self.actor = ActorRolloutRef(cfg, self.tokenizer)
             if cfg.use_critic:
@@ -108,6 +90,24 @@ class Engine:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
         self.kl_ctrl = make_kl_ctrl(cfg)
         self.next_gen_batch = 1  # dynamic sampling: the plain loop's data cursor
+
+    def _use_pool(self, pool: Any) -> None:
+        self.pool = pool
+        self.actor = pool.role("actor")
+        if self.cfg.use_critic:
+            self.critic = pool.role("critic")
+        if self.cfg.use_reward_model:
+            self.reward_model = pool.role("rm")
+
+    def recreate_pool(self) -> list[str]:
+        """After a worker died or hung: tear the pool down and create it again with the same
+        spec (fresh weights, version 0: the caller restores the run's state). Returns the
+        names of the workers removed."""
+        from hybrid_engine.pool import Pool
+
+        removed = self.pool.teardown()
+        self._use_pool(Pool.up(self.cfg))
+        return removed
 
     def reset_weights(self) -> None:
         """Fresh weights, optimizers and KL coefficient, as a new run starts with."""
@@ -367,6 +367,12 @@ class Engine:
         metrics["weights_version"] = self.actor.weights_version
         if self.pool is not None:  # each worker's memory, as `hybridrl pool status` shows it
             for w in self.pool.status():
+                if "rss_gb" not in w:  # it died since its part of the update returned
+                    from hybrid_engine.pool import WorkerDiedError
+
+                    raise WorkerDiedError(f"update: worker {w['name']} of pool "
+                                          f"{self.cfg.ray.pool_name!r} died ({w.get('error')})",
+                                          w["name"], "died")  # fmt: skip
                 metrics[f"perf/{w['name']}/rss_gb"] = w["rss_gb"]
                 metrics[f"perf/{w['name']}/peak_rss_gb"] = w["peak_rss_gb"]
         metrics |= batch_stats(batch, self.cfg.max_response_length)
@@ -438,30 +444,6 @@ class Engine:
                 for i, (row, score) in enumerate(zip(rows[:samples], scores, strict=False))
             ]  # fmt: skip
         return out
-
-
-def finish_step(metrics: dict[str, float], seconds: float) -> dict[str, float]:
-    """A step's metrics from its update's: wall time, tokens/s over the step, peak RSS."""
-    metrics = dict(metrics)
-    metrics["timing_s/step"] = seconds
-    metrics["perf/throughput"] = metrics.pop("_tokens") / seconds
-    metrics["perf/peak_rss_gb"] = peak_rss_gb()
-    return metrics
-
-
-def batch_stats(batch: Batch, max_new_tokens: int) -> dict[str, float]:
-    """Lengths; clip_ratio = share of responses cut at max_new_tokens (no EOS). Lengths
-    count the response's tokens in the attention mask (rejection may zero some in
-    response_mask)."""
-    width = batch["response_mask"].shape[1]
-    lengths = batch["attention_mask"][:, -width:].sum(-1).float()
-    return {
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
-        "prompt_length/mean": float(batch["prompt_mask"].sum(-1).float().mean()),
-        "_tokens": float(batch["attention_mask"].sum()),
-    }
 
 
 def train(

@@ -6,6 +6,7 @@ holds the adapter alone as peft saves it (`PeftModel.from_pretrained(base, "fina
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from typing import Any
 
@@ -16,10 +17,15 @@ from hybrid_engine.lora import adapter_files, lora_config
 from storage.store import RunStore
 
 FINAL = "final"
+log = logging.getLogger("hybridrl.storage")
 
 
 def history(store: RunStore, total_steps: int) -> list[dict[str, Any]]:
-    """Per-step metrics from the committed stages: {step, update metrics, validation}."""
+    """Per-step metrics from the committed stages: {step, update metrics, validation}.
+
+    A step whose update record was corrupted after a later checkpoint was taken cannot be
+    recomputed (the weights it started from are gone); its weights live on in that
+    checkpoint, its metrics are lost: the row says so under `lost` (and the step counts)."""
     rows = []
     for step in range(total_steps + 1):
         row: dict[str, Any] = {}
@@ -27,6 +33,10 @@ def history(store: RunStore, total_steps: int) -> list[dict[str, Any]]:
             got = store.load_stage(step, stage)
             if got is not None:
                 row |= got.meta["metrics"]
+            elif stage == "update" and store.marker(store.stage_dir(step, stage)) is not None:
+                row["lost"] = (f"steps/{step}/update is corrupted: the weights it made are kept "
+                               "(later checkpoints hold them), its metrics are lost")  # fmt: skip
+                log.warning("step %d: %s", step, row["lost"])
         if row:
             rows.append({"step": step, **row})
     return rows

@@ -19,6 +19,7 @@ safetensors, the rest to JSON: nothing stored can run code when read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +36,36 @@ from fsspec.implementations.local import LocalFileSystem
 
 from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 from hybrid_engine.config import StorageConfig
+from hybrid_engine.sharding import NO_SPACE
 from storage.faults import fault_point
 
 log = logging.getLogger("hybridrl.storage")
 
 MARKER = "COMMITTED"
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class _Critical:
+    """`with critical():` a storage write that a SIGTERM must not interrupt: the handler
+    (tasks.recovery.preemption) sees `depth` and leaves `pending` set, and the write's end
+    calls `on_exit`, which raises then."""
+
+    def __init__(self) -> None:
+        self.depth, self.pending = 0, False
+        self.on_exit: Any = None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth and self.on_exit is not None:
+                self.on_exit()
+
+
+critical = _Critical()
 
 
 def validate_run_id(run_id: str) -> str:
@@ -85,6 +111,38 @@ def storage_options(cfg: StorageConfig, credentials: bool = False) -> dict[str, 
     return opts
 
 
+def check_storage(cfg: StorageConfig) -> None:
+    """`storage.root` can take a run, checked in seconds: a local directory is created if
+    missing and must be writable; on S3 the bucket must answer within storage.timeout_s
+    (one attempt). Raises one line naming storage.root."""
+    root = cfg.root
+    if not root.startswith("s3://"):
+        path = os.path.abspath(root)
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+                pass
+        except OSError as e:
+            raise PermissionError(f"storage.root={root!r} is not writable: {e.strerror}") from None
+        return
+    opts = storage_options(cfg)
+    opts["config_kwargs"]["retries"] = {"max_attempts": 1, "mode": "standard"}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    bucket = root.removeprefix("s3://").split("/")[0]
+    where = f" at {opts['endpoint_url']}" if "endpoint_url" in opts else ""
+    try:
+        fs.ls(bucket, refresh=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"storage.root={root!r}: no bucket {bucket!r}{where}") from None
+    except PermissionError as e:
+        raise PermissionError(f"storage.root={root!r}: access denied{where} ({e})") from None
+    except Exception as e:  # connection refused, timeouts, DNS: botocore's and aiohttp's own
+        raise ConnectionError(
+            f"storage.root={root!r}: the S3 endpoint{where} does not answer "
+            f"({type(e).__name__}; storage.timeout_s={cfg.timeout_s:g})"
+        ) from None
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -120,17 +178,35 @@ class RunStore:
 
     def put(self, rel: str, data: bytes, atomic: bool = False) -> str:
         """Write one object; returns its sha256. `atomic` matters on a local disk only
-        (an S3 PUT is all or nothing): write a temporary file, then rename it."""
+        (an S3 PUT is all or nothing): write a temporary file, then rename it; a failed
+        write (a full disk) leaves no temporary file. A SIGTERM waits for the write."""
         path = self._p(rel)
-        if self.local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if atomic:
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-                return sha256(data)
-        self.fs.pipe_file(path, data)
+        with critical():
+            if self.local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                if atomic:
+                    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+                    try:
+                        with os.fdopen(fd, "wb") as f:
+                            f.write(data)
+                        os.replace(tmp, path)
+                    except BaseException as e:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp)
+                        if getattr(e, "errno", None) in NO_SPACE:
+                            raise OSError(
+                                e.errno, f"{e.strerror}: writing {self.uri(rel)}"
+                            ) from None
+                        raise
+                    return sha256(data)
+            try:
+                self.fs.pipe_file(path, data)
+            except OSError as e:
+                if e.errno not in NO_SPACE:
+                    raise
+                with contextlib.suppress(OSError):  # a partial object would only hold space
+                    self.fs.rm(path)
+                raise OSError(e.errno, f"{e.strerror}: writing {self.uri(rel)}") from None
         return sha256(data)
 
     def get(self, rel: str) -> bytes:
@@ -150,8 +226,9 @@ class RunStore:
         return self.put(rel, data, atomic=True)
 
     def remove(self, rel: str) -> None:
-        if self.fs.exists(self._p(rel)):
-            self.fs.rm(self._p(rel), recursive=True)
+        with critical():
+            if self.fs.exists(self._p(rel)):
+                self.fs.rm(self._p(rel), recursive=True)
 
     # ------------------------------------------------------------- commits
     def commit(self, rel_dir: str, files: dict[str, str], meta: dict[str, Any]) -> str:
@@ -179,13 +256,13 @@ class RunStore:
             try:
                 data = self.get(f"{rel_dir}/{name}")
             except FileNotFoundError:
-                log.warning("%s: committed but missing; the stage will be redone", self.uri(
+                log.warning("%s: committed but missing; the stage counts as not done", self.uri(
                     f"{rel_dir}/{name}"))  # fmt: skip
                 return None
             if sha256(data) != want:
                 log.warning(
                     "%s: sha256 differs from the committed one (corrupted object); "
-                    "the stage will be redone", self.uri(f"{rel_dir}/{name}"),
+                    "the stage counts as not done", self.uri(f"{rel_dir}/{name}"),
                 )  # fmt: skip
                 return None
             out[name] = data

@@ -151,6 +151,9 @@ class Tracker:
         for i in range(0, len(rows), 1000):
             self.client.log_batch(self.run_id, metrics=rows[i : i + 1000])
 
+    def log_metric(self, key: str, value: float, step: int) -> None:
+        self.client.log_metric(self.run_id, key, float(value), step=step)
+
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """A validation's generations as an MLflow table (one JSON artifact per step)."""
         if samples:

@@ -19,6 +19,7 @@ from hybrid_engine.sharding import CorruptObject
 from hybrid_engine.trainer import Engine
 from storage.final import FINAL, history, save_final
 from storage.store import MARKER, RunStore, storage_options
+from tasks.recovery import CLOCK
 from tasks.stages import StageResult
 
 log = logging.getLogger("hybridrl.resume")
@@ -41,6 +42,7 @@ def _options(engine: Engine, store: RunStore) -> dict[str, Any]:
       persist_result=False)  # fmt: skip
 def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> StageResult:
     """Save weights version N (+ optimizer, scheduler, RNG, KL coefficient), commit, prune."""
+    CLOCK.where = f"step-{step}/checkpoint"
     d = store.checkpoint_dir(step)
     if store.marker(d) is not None:
         return StageResult("checkpoint", step, store.uri(d), True, 0.0, {})
@@ -75,6 +77,7 @@ def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
     step to run and what was done. A warm pool that holds U of this run is kept as is;
     otherwise the newest readable checkpoint C <= U is loaded (the flow then replays the
     updates C+1..U from their stored batches), or, without one, fresh weights are taken."""
+    CLOCK.where = "restore"
     done = last_committed_update(store)
     version, owner = engine.actor.weights_version, engine.actor.weights_run
     if version == done and (done == 0 or owner == store.run_id):
@@ -108,6 +111,7 @@ def finish(engine: Engine, store: RunStore) -> dict[str, Any]:
     """The trained policy and summary.json under final/ (skipped when committed for as many
     steps or more; a finished run trained further gets its new final policy: the old marker
     goes first, so a crash in between leaves final/ uncommitted, never stale)."""
+    CLOCK.where = "final"
     rows = history(store, engine.cfg.trainer.total_training_steps)
     done = store.marker(FINAL)
     steps = len([h for h in rows if h.get("step", 0) > 0])

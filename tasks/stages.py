@@ -27,10 +27,12 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NONE
 
-from hybrid_engine.trainer import Engine, finish_step, peak_rss_gb
-from storage.faults import fault_point
+from hybrid_engine.step_metrics import finish_step, peak_rss_gb
+from hybrid_engine.trainer import Engine
+from storage.faults import fault_batch, fault_point
 from storage.store import RunStore
 from tasks.progress import emit
+from tasks.recovery import CLOCK, stage_limit
 
 
 class StageOrderError(RuntimeError):
@@ -39,7 +41,8 @@ class StageOrderError(RuntimeError):
 
 def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
     """A stage task: named `step-<N>/<stage>`, no Prefect caching (storage decides), its
-    start and end announced to progress listeners (`tasks.progress`)."""
+    start and end announced to progress listeners (`tasks.progress`), its pool calls under
+    the stage's time limit (`tasks.recovery`)."""
 
     signature = inspect.signature(fn)
 
@@ -47,9 +50,12 @@ def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
     def announced(*args: Any, **kwargs: Any) -> StageResult:
         a = signature.bind(*args, **kwargs).arguments
         emit("stage_started", step=a["step"], stage=fn.__name__, engine=a["engine"])
-        result = fn(*args, **kwargs)
+        with stage_limit(a["engine"], a["step"], fn.__name__):  # a hung worker: declared so
+            fault_point(f"step-{a['step']}/{fn.__name__}:start")
+            result = fn(*args, **kwargs)
         upstream = [v for v in a.values() if isinstance(v, StageResult)]
         own_s = result.step_s - (upstream[0].step_s if upstream else 0.0)
+        CLOCK.record(fn.__name__, own_s)
         emit("stage_finished", step=a["step"], stage=fn.__name__, seconds=own_s,
              skipped=result.skipped)  # fmt: skip
         return result
@@ -162,7 +168,7 @@ def advantage(engine: Engine, store: RunStore, step: int, reward: StageResult) -
         engine.kl_ctrl.value = done.meta["kl_coef"]
         return _result("advantage", step, done.uri, done.meta, True, reward)
     start = time.perf_counter()
-    batch = engine.advantage(_input(store, reward))
+    batch = fault_batch(f"step-{step}/advantage:batch", engine.advantage(_input(store, reward)))
     meta = {"metrics": batch.meta["metrics"], "kl_coef": engine.kl_ctrl.value,
             "wall_s": time.perf_counter() - start}  # fmt: skip
     uri = store.commit_stage(step, "advantage", batch, meta)
@@ -177,6 +183,10 @@ def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -
     version = engine.actor.weights_version
     if done and version == step:
         return _result("update", step, done.uri, done.meta, True, advantage)
+    applied = getattr(engine, "applied_update", None)  # a retry after a failed commit
+    if not done and version == step and applied and applied["step"] == step:
+        uri = store.commit_stage(step, "update", None, applied["meta"])
+        return _result("update", step, uri, applied["meta"], False, advantage)
     if version != step - 1:
         raise StageOrderError(
             f"step {step}: the update needs weights version {step - 1}, the engine holds {version}"
@@ -190,7 +200,8 @@ def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -
     seconds = time.perf_counter() - start
     metrics = finish_step(result.meta["metrics"], advantage.step_s + seconds)
     meta = {"metrics": metrics, "weights_version": engine.actor.weights_version, "wall_s": seconds}
-    uri = store.commit_stage(step, "update", None, meta)
+    engine.applied_update = {"step": step, "meta": meta}  # the weights are at N: keep the
+    uri = store.commit_stage(step, "update", None, meta)  # metrics for a retried commit
     return _result("update", step, uri, meta, False, advantage)
 
 

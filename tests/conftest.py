@@ -54,3 +54,16 @@ def s3_endpoint():
     yield url
     if proc is not None:
         stop(proc)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, prefect_api):
+    """The uninterrupted 4-step run of the pipeline tests (local storage, in-process roles)."""
+    from runs import ARGS, driver, final_state, fs_for
+
+    root = str(tmp_path_factory.mktemp("ref"))
+    rc, out = driver(["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root={root}",
+                      "--run-id", "ref"], prefect_api)  # fmt: skip
+    assert rc == 0, out
+    assert "(from storage" not in out  # nothing to skip in a fresh run
+    return final_state(fs_for(root, None), f"{root}/ref")

@@ -18,6 +18,10 @@ def fails_on_x(prompts, completions, rows):
     return [1.0 for _ in completions]
 
 
+def always_raises(prompts, completions, rows):
+    raise RuntimeError("the grader is down")
+
+
 def returns_nan(prompts, completions, rows):
     return [1.0] * (len(completions) - 1) + [math.nan]
 

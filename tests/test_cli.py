@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 HYBRIDRL = str(Path(sys.executable).parent / "hybridrl")
 
 
-def run(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+def run(*args, cwd, env=None):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
     return subprocess.run([HYBRIDRL, *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
@@ -119,11 +119,17 @@ def test_secrets_in_env_maps_are_not_recorded_and_a_resume_asks_for_them(tmp_pat
     secret = "s3cr3t-VALUE-42"
     db = f"sqlite:///{tmp_path}/mlflow.db"
     env_map = f"ray.worker_env={{AWS_SECRET_ACCESS_KEY: {secret}, MALLOC_ARENA_MAX: '2'}}"
+    home = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": ""}  # its own API
     p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}", "trainer.run_id=s1",
-            f"tracking.uri={db}", env_map, "trainer.total_training_steps=1", cwd=root)  # fmt: skip
+            f"tracking.uri={db}", env_map, "trainer.total_training_steps=1", cwd=root,
+            env=home)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     for path in (tmp_path / "s1").rglob("*.json"):
         assert secret not in path.read_text(), path
+    # Prefect's database (flow-run parameters, task inputs) never saw it either
+    stored = [f for f in (tmp_path / "prefect").rglob("*") if f.is_file()]
+    assert any(f.suffix == ".db" for f in stored)
+    assert not [f for f in stored if secret.encode() in f.read_bytes()]
     client = MlflowClient(db)
     (mlrun,) = client.search_runs([client.get_experiment_by_name("hybridrl").experiment_id])
     assert (

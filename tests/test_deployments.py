@@ -1,12 +1,15 @@
 """The scheduled-training journey, for real: `deployments/prefect.yaml` deployed to a real
 Prefect server, a process work pool and worker, `prefect deployment run ... --watch` of a
-2-step tiny training, and the run found in a real MLflow server through its REST API."""
+2-step tiny training, and the run found in a real MLflow server through its REST API. Then a
+deployment run preempted (SIGTERM to its process) resumes itself: the deployment's trigger
+on the "Preempted" state runs it again with resume_from = the run id."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -42,11 +45,11 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
            "PYTHONPATH": str(ROOT / "tests")}  # fmt: skip
     env.pop("HYBRIDRL_FAULT", None)
 
-    def prefect(*args, timeout=300):
+    def prefect(*args, timeout=300, check=True):
         p = subprocess.run([str(BIN / "prefect"), *args], cwd=ROOT, env=env, text=True,
                            capture_output=True, timeout=timeout)  # fmt: skip
-        assert p.returncode == 0, p.stdout + p.stderr
-        return p.stdout
+        assert p.returncode == 0 or not check, p.stdout + p.stderr
+        return p.stdout + p.stderr
 
     worker = None
     try:
@@ -56,8 +59,12 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         assert "deployed train/grpo-tiny-nightly on pool 'hybridrl': cron 0 3 * * *" in made.stdout
         listed = prefect("deployment", "ls")
         assert "train/grpo-tiny-nightly" in listed and "train/demo-cpu-weekly" in listed
+        # the resumed run gets the deployment's parameters: storage and tracking come from
+        # the worker's environment, as on a real worker machine
+        worker_env = {**env, "HYBRIDRL_STORAGE__ROOT": f"{tmp_path}/runs",
+                      "HYBRIDRL_TRACKING__URI": mlflow_url}  # fmt: skip
         worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "hybridrl",
-                                   "--type", "process"], cwd=tmp_path, env=env,
+                                   "--type", "process"], cwd=tmp_path, env=worker_env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True)  # fmt: skip
         overrides = ["trainer.total_training_steps=2", f"storage.root={tmp_path}/runs",
@@ -82,6 +89,16 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         assert metrics["critic/score/mean"]["step"] == 2 and "actor/pg_loss" in metrics
         tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
         assert tags["prefect.flow_run_id"] and tags["hybridrl.final"].endswith("final")
+
+        # preempted in step 2's reward stage (the fault is this flow run's own environment)
+        fault = json.dumps({"HYBRIDRL_FAULT": "step-2/reward:start=term"})
+        out = prefect("deployment", "run", "train/grpo-tiny-nightly", "--param",
+                      f"overrides={json.dumps(overrides)}", "--param", "run_id=preempted-1",
+                      "--job-variable", f"env={fault}", "--watch", timeout=600, check=False)  # fmt: skip
+        assert "Preempted" in out, out
+        states = wait_for_states(prefect_api, "preempted-1", "Completed", 600)
+        assert sorted(states) == ["Completed", "Preempted"], states
+        assert (tmp_path / "runs/preempted-1/final/COMMITTED").is_file()
     finally:
         if worker is not None:
             os.killpg(worker.pid, signal.SIGTERM)
@@ -91,3 +108,16 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait(30)
         stop(mlflow_proc)
+
+
+def wait_for_states(api: str, name: str, final: str, timeout_s: float) -> list[str]:
+    """The state names of the flow runs called `name`, once one of them is `final`."""
+    deadline = time.monotonic() + timeout_s
+    body = json.dumps({"flow_runs": {"name": {"any_": [name]}}}).encode()
+    while True:
+        req = urllib.request.Request(f"{api}/flow_runs/filter", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        states = [r["state"]["name"] for r in json.loads(urllib.request.urlopen(req).read())]
+        if final in states or time.monotonic() > deadline:
+            return states
+        time.sleep(2)

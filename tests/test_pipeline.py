@@ -11,83 +11,25 @@ before a crash is never generated again (its marker and objects stay byte-for-by
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import fsspec
-import pytest
-import torch
 from conftest import S3_ENV
-from safetensors.torch import load as st_load
-
-ROOT = Path(__file__).parents[1]
-STEPS = 4
-ARGS = ["reward.function=reward_fns:length_score", f"trainer.total_training_steps={STEPS}",
-        "trainer.save_freq=2", "trainer.test_freq=2", "trainer.val_before_train=true",
-        "rollout.micro_batch_size=8", "pipeline.retry_delay_s=0.2",
-        "tracking.enabled=false"]  # fmt: skip
-KILLS = ["step-1/rollout:before_commit", "step-2/reward:before_commit", "step-2:end",
-         "step-3/advantage:before_commit", "step-4/update:before_commit"]  # fmt: skip
-
-
-def driver(args: list[str], prefect_api: str, fault: str | None = None, extra_env=None):
-    """One `hybridrl` process in its own process group (killed with it if it crashes)."""
-    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
-           "PREFECT_API_URL": prefect_api, **(extra_env or {})}  # fmt: skip
-    env.pop("HYBRIDRL_FAULT", None)
-    if fault:
-        env["HYBRIDRL_FAULT"] = fault
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
-    if proc.returncode < 0:  # a crash: nothing of it may survive
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out
-
-
-def fs_for(root: str, endpoint: str | None):
-    opts = {"endpoint_url": endpoint} if root.startswith("s3://") else {}
-    return fsspec.core.url_to_fs(root, **opts)[0]
-
-
-def final_state(fs, run_url: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    weights = st_load(fs.cat_file(f"{run_url}/final/model.safetensors"))
-    summary = json.loads(fs.cat_file(f"{run_url}/final/summary.json"))
-    return weights, summary["history"]
-
-
-def comparable(history: list[dict]) -> list[dict]:
-    """Metrics that must be equal: everything but wall times and speeds."""
-    return [{k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
-            for row in history]  # fmt: skip
-
-
-def rollout_markers(fs, run_url: str) -> dict[str, bytes]:
-    out = {}
-    for step in range(1, STEPS + 1):
-        path = f"{run_url}/steps/{step}/rollout"
-        if fs.exists(f"{path}/COMMITTED"):
-            out[path] = fs.cat_file(f"{path}/COMMITTED") + fs.cat_file(f"{path}/batch.safetensors")
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, prefect_api):
-    """The uninterrupted run (local storage, in-process roles)."""
-    root = str(tmp_path_factory.mktemp("ref"))
-    rc, out = driver(["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root={root}",
-                      "--run-id", "ref"], prefect_api)  # fmt: skip
-    assert rc == 0, out
-    assert "(from storage" not in out  # nothing to skip in a fresh run
-    return final_state(fs_for(root, None), f"{root}/ref")
+from runs import (
+    ARGS,
+    KILLS,
+    ROOT,
+    STEPS,
+    assert_same_run,
+    driver,
+    final_state,
+    fs_for,
+    rollout_markers,
+)
 
 
 def killed_and_resumed(root: str, run_id: str, prefect_api: str, endpoint: str | None,
@@ -115,15 +57,6 @@ def killed_and_resumed(root: str, run_id: str, prefect_api: str, endpoint: str |
     assert all(after[k] == v for k, v in before.items()), "a committed rollout was redone"
     assert len(after) == STEPS
     return final_state(fs, run_url), logs + [out]
-
-
-def assert_same_run(got, reference) -> None:
-    (w, hist), (w_ref, hist_ref) = got, reference
-    assert w.keys() == w_ref.keys()
-    for k in w_ref:
-        assert torch.equal(w[k], w_ref[k]), f"{k} differs from the uninterrupted run"
-    assert comparable(hist) == comparable(hist_ref)
-    assert [r["step"] for r in hist] == list(range(STEPS + 1))
 
 
 def corrupt(fs, path: str) -> None:

@@ -9,8 +9,8 @@ import json
 import signal
 
 import torch
+from runs import ARGS, STEPS, comparable, driver, final_state, fs_for, rollout_markers
 from safetensors.torch import load as st_load
-from test_pipeline import ARGS, STEPS, comparable, driver, final_state, fs_for, rollout_markers
 
 MULTI = [*ARGS, "rollout.multi_turn.environment=env_fns:TwoTurns"]
 

@@ -107,12 +107,28 @@ class TrackingConfig(Section):
 
 
 class PipelineConfig(Section):
-    """The Prefect stage pipeline: retries of a stage task on a transient failure."""
+    """The Prefect stage pipeline: retries of a stage task on a transient failure, and the
+    recovery from dead or hung pool workers."""
 
     retries: int = Field(2, ge=0, description="retries of a stage task on a transient error")
     retry_delay_s: float = Field(
         2.0, ge=0, description="first retry delay; doubles on each further retry"
     )
+    max_recoveries: int = Field(
+        3, ge=0, description="dead or hung workers recovered from per flow run (pool "
+        "re-created, last checkpoint restored); one more fails the run"
+    )  # fmt: skip
+    recovery_delay_s: float = Field(
+        5.0, ge=0, description="wait before re-creating the pool; doubles on each recovery"
+    )
+    stage_timeout_s: float = Field(
+        300, gt=0, description="floor of a stage's time limit on the pool; a worker that "
+        "does not answer within the limit is declared hung"
+    )  # fmt: skip
+    stage_timeout_factor: float = Field(
+        5.0, ge=1, description="a stage's limit: this times the slowest of its last 5 wall "
+        "times (at least stage_timeout_s); before its first run: ray.call_timeout_s"
+    )  # fmt: skip
 
 
 class RayConfig(Section):

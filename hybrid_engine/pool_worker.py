@@ -1,0 +1,139 @@
+"""One process of the pool: a detached Ray actor hosting its group's roles on one rank
+(`Worker`), and what a pool is built from (`pool_spec`, `group_plan`)."""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+import psutil
+import ray
+import torch
+
+from hybrid_engine.config import HybridConfig, import_plugins
+from hybrid_engine.models import load_tokenizer
+from hybrid_engine.ray_cluster import PoolError, _free_port
+from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
+
+
+def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
+    """What a worker is built from; a pool whose spec differs cannot serve `cfg`."""
+    return {
+        "model": cfg.model.model_dump(),
+        "actor.layout": cfg.actor.layout.model_dump(),
+        "actor.optim": cfg.actor.optim.model_dump(),
+        "actor.lora": cfg.actor.lora.model_dump(),
+        "critic": cfg.use_critic and {
+            "model_path": cfg.critic.model_path, "optim": cfg.critic.optim.model_dump(),
+            "placement": cfg.ray.critic, "dp": cfg.ray.critic_dp,
+        },
+        "reward_model": cfg.use_reward_model and {
+            "model_path": cfg.reward.model_path, "placement": cfg.ray.reward_model,
+            "dp": cfg.ray.reward_model_dp,
+        },
+        "reference": cfg.use_reference,
+        "rollout.name": cfg.rollout.name,
+        "trainer.seed": cfg.trainer.seed,
+        "resources": [cfg.ray.num_cpus_per_rank, cfg.ray.num_gpus_per_rank],
+    }  # fmt: skip
+
+
+def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
+    """group name -> (ranks, roles hosted by each rank's process)."""
+    actor_roles = ["actor"]
+    plan: dict[str, tuple[int, list[str]]] = {}
+    if cfg.use_critic:
+        if cfg.ray.critic == "colocated":
+            actor_roles.append("critic")
+        else:
+            plan["critic"] = (cfg.ray.critic_dp, ["critic"])
+    if cfg.use_reward_model:
+        if cfg.ray.reward_model == "colocated":
+            actor_roles.append("rm")
+        else:
+            plan["rm"] = (cfg.ray.reward_model_dp, ["rm"])
+    return {"actor": (cfg.actor.layout.dp, actor_roles), **plan}
+
+
+class Worker:
+    """One process of a group: hosts its roles on one rank. Runs as a detached Ray actor."""
+
+    def __init__(self, cfg: HybridConfig, group: str, rank: int, world: int, roles: list[str]):
+        self.cfg, self.group, self.rank, self.world = cfg, group, rank, world
+        import_plugins(cfg.algorithm.plugins)  # the run's own losses, registered here too
+        self.role_names = roles
+        self.spec = pool_spec(cfg)
+        self.roles: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def address(self) -> str:
+        """Rank 0 hosts the group's rendezvous."""
+        return f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+
+    def setup(self, init_method: str, threads: int) -> dict:
+        from hybrid_engine.sharding import init_group
+
+        torch.set_num_threads(threads)
+        backend = "gloo"
+        if self.cfg.device == "cuda":  # Ray exposes this worker's GPU as device 0
+            torch.cuda.set_device(0)
+            backend = "nccl"
+        init_group(self.rank, self.world, init_method, self.cfg.ray.call_timeout_s, backend)
+        self.build()
+        return self.info()
+
+    def build(self) -> None:
+        """(Re)create the roles from the config: fresh weights, optimizer and version 0."""
+        tokenizer = load_tokenizer(self.cfg.model)
+        make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel}
+        self.roles = {}  # free the old models first
+        self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
+        self.error = None
+
+    def configure(self, cfg: HybridConfig) -> None:
+        """Take a run's settings that do not change what the workers hold (batch sizes,
+        clip ratios, sampling, ...); `pool_spec` guards the rest."""
+        if pool_spec(cfg) != self.spec:
+            raise PoolError("configure: the pool spec differs")
+        import_plugins(cfg.algorithm.plugins)
+        self.cfg = cfg
+        for role in self.roles.values():
+            role.configure(cfg)
+
+    def call(self, role: str, method: str, *args: Any) -> Any:
+        """A stage operation of one role. A failure marks the worker unhealthy: under FSDP
+        its peers may be left mid-collective, so the group must be rebuilt."""
+        try:
+            return getattr(self.roles[role], method)(*args)
+        except Exception as e:
+            self.error = f"{role}.{method}: {type(e).__name__}: {e}"
+            raise
+
+    @ray.method(concurrency_group="status")
+    def get_spec(self) -> dict:  # answers at once; `configure` then waits for a call in flight
+        return self.spec
+
+    @ray.method(concurrency_group="status")
+    def rollout_progress(self, role: str) -> dict | None:  # answers while `generate` runs
+        return self.roles[role].rollout_progress() if role in self.roles else None
+
+    @ray.method(concurrency_group="status")
+    def info(self) -> dict:
+        mem = psutil.Process().memory_info().rss
+        out = {
+            "name": f"{self.group}-{self.rank}", "group": self.group, "rank": self.rank,
+            "world": self.world, "roles": self.role_names, "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(), "rss_gb": mem / 1024**3,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+            "healthy": bool(self.roles) and self.error is None, "error": self.error,
+        }  # fmt: skip
+        for name, role in self.roles.items():
+            out[name] = role.info()
+        if "actor" in self.roles:
+            out["weights_version"] = self.roles["actor"].weights_version
+        return out
+
+
+# `info` answers while a long stage call runs (its own thread); stage calls run one at a time.
+RemoteWorker = ray.remote(max_restarts=0, concurrency_groups={"status": 1})(Worker)

@@ -1,0 +1,46 @@
+"""What a step reports about itself: stage timers, lengths, throughput, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from hybrid_engine.batch import Batch
+
+
+@contextmanager
+def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def finish_step(metrics: dict[str, float], seconds: float) -> dict[str, float]:
+    """A step's metrics from its update's: wall time, tokens/s over the step, peak RSS."""
+    metrics = dict(metrics)
+    metrics["timing_s/step"] = seconds
+    metrics["perf/throughput"] = metrics.pop("_tokens") / seconds
+    metrics["perf/peak_rss_gb"] = peak_rss_gb()
+    return metrics
+
+
+def batch_stats(batch: Batch, max_new_tokens: int) -> dict[str, float]:
+    """Lengths; clip_ratio = share of responses cut at max_new_tokens (no EOS). Lengths
+    count the response's tokens in the attention mask (rejection may zero some in
+    response_mask)."""
+    width = batch["response_mask"].shape[1]
+    lengths = batch["attention_mask"][:, -width:].sum(-1).float()
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+        "prompt_length/mean": float(batch["prompt_mask"].sum(-1).float().mean()),
+        "_tokens": float(batch["attention_mask"].sum()),
+    }
