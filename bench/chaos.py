@@ -79,7 +79,7 @@ def drive(args: list[str], run_id: str, env: dict, pending: list[str], proxy, lo
           out_dir: Path) -> dict:  # fmt: skip
     """Run the driver until the run finishes: restart after SIGTERM (exit 143) the way the
     deployment trigger does, and after any other failure as a person would."""
-    fired_log = out_dir / f"{run_id}-fired.txt"
+    fired_log = log.with_suffix(".fired")  # which faults already happened, per run
     drivers, preempted, failed, cut_s, errors = 0, 0, 0, 0.0, []
     cmd = ["train", *args, "--run-id", run_id]
     while True:
@@ -146,12 +146,12 @@ def run_backend(backend: str, k: int, steps: int, seed: int, s3: str, proxy, env
     ref_s = time.perf_counter() - began
     if ref["failed"] or ref["preempted"]:
         raise SystemExit(f"{backend}: the reference run failed: {ref['errors']}")
-    down(backend, env)
+    down(backend, env, bucket)
     began = time.perf_counter()
     got = drive(args, "chaos", env, [f["spec"] for f in faults], proxy,
                 out_dir / f"{backend}-chaos.log", out_dir)  # fmt: skip
     chaos_s = time.perf_counter() - began
-    leftovers = down(backend, env)
+    leftovers = down(backend, env, bucket)
 
     def weights(run: str) -> dict:
         return st_load(fs.cat_file(f"{bucket}/runs/{run}/final/model.safetensors"))
@@ -179,9 +179,11 @@ def run_backend(backend: str, k: int, steps: int, seed: int, s3: str, proxy, env
     }  # fmt: skip
 
 
-def down(backend: str, env: dict) -> list[str]:
-    """`pool down`; then whatever of this benchmark's processes is still running (the local
-    Ray head's daemons, pool workers, drivers)."""
+def down(backend: str, env: dict, bucket: str) -> list[str]:
+    """`pool down`; then whatever this benchmark started that is still running: its local
+    Ray head's daemons and their children (the pool workers), its drivers (their command
+    line names its bucket; they talk to the benchmark's Prefect server, so they start
+    none of their own)."""
     import psutil
 
     from hybrid_engine.ray_cluster import _head_processes
@@ -193,9 +195,9 @@ def down(backend: str, env: dict) -> list[str]:
                        capture_output=True, timeout=300)  # fmt: skip
     time.sleep(2)
     left = [f"{p.pid} {p.name()}" for p in _head_processes(temp_dir)] if temp_dir else []
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+    for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if (p.info["name"] or "").startswith("ray::") or "flows.cli" in cmd:
+        if bucket in cmd:
             left.append(f"{p.info['pid']} {cmd[:80]}")
     return left
 

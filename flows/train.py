@@ -52,6 +52,7 @@ from tasks.recovery import (
     clean_up_after,
     driver_record,
     preemption,
+    rearm,
 )
 from tasks.stages import advantage, reward, rollout, update, validate
 
@@ -101,6 +102,7 @@ def train(
     try:
         with preemption():
             engine = start_engine(cfg, resume)
+            rearm()  # connecting to Ray replaced the SIGTERM handler
             if not resume:  # recorded once the run could start (a bad config leaves nothing)
                 store.write_run({"run_id": store.run_id,
                                  "config": redact(cfg.model_dump(mode="json")),
@@ -114,6 +116,7 @@ def train(
                         break
                     except WorkerLostError as e:
                         track.recovered(recovery.handle(e, engine), recovery.count)
+                        rearm()
     except Preempted as e:
         if cancelling():  # the SIGTERM was Prefect carrying out a cancellation
             return Cancelled(message=f"cancelled at {e}; `hybridrl resume {store.run_id}`")

@@ -34,7 +34,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
@@ -243,7 +242,7 @@ def save_state(
     Returns {file name: sha256} of what this rank wrote."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     weights = full_state_dict(model, trainable_only)
-    optim = get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer else None
+    optim = full_optimizer_state(model, optimizer) if optimizer else None
 
     def write(name: str, data: bytes) -> None:
         written[name] = _write(f"{url}/{name}", data, storage_options)
@@ -346,6 +345,26 @@ def load_state(
     if rng is not None:
         torch.set_rng_state(rng)
     return doc["extra"]
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"state": {param name: {key: full tensor}}, "param_groups": [{..., "params": [names]}]},
+    gathered parameter by parameter (a collective: every rank calls it, same order). Written
+    out here rather than with `get_optimizer_state_dict`, which after a load of this state
+    gathered some parameters' exp_avg into exp_avg_sq (measured, torch 2.13, FSDP2, gloo)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [names[id(p)] for p in group["params"]]})  # fmt: skip
+        for p in group["params"]:
+            st = optimizer.state.get(p) or {}
+            state[names[id(p)]] = {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                for k, v in sorted(st.items())
+            }
+    return {"state": {n: st for n, st in state.items() if st}, "param_groups": groups}
 
 
 def named_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -183,11 +183,22 @@ def preemption() -> Iterator[None]:
 
     before = signal.signal(signal.SIGTERM, on_term)
     critical.on_exit = _raise_pending
+    _armed.append(on_term)
     try:
         yield
     finally:
+        _armed.remove(on_term)
         signal.signal(signal.SIGTERM, before)
         critical.on_exit = None
+
+
+_armed: list[Any] = []
+
+
+def rearm() -> None:
+    """Put our SIGTERM handler back (`ray.init` installs its own, which exits the process)."""
+    if _armed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _armed[-1])
 
 
 def _raise_pending() -> None:

@@ -148,6 +148,11 @@ def test_state_round_trip_resumes_exactly_and_across_layouts(tmp_path):
     two.step(2)
     uninterrupted = two.actor.full_state_dict()
     assert two.actor.load(str(tmp_path / "a")) == 1
+    # a state loaded into FSDP ranks saves back to the same bytes (torch's
+    # get_optimizer_state_dict once gathered exp_avg into exp_avg_sq here)
+    two.actor.save(str(tmp_path / "b"))
+    for name in ("optim.safetensors", "model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     two.step(2)
     assert_same_weights(two.actor.full_state_dict(), uninterrupted)  # optimizer state restored
 
