@@ -167,8 +167,6 @@ def run_backend(backend: str, k: int, steps: int, seed: int, s3: str, proxy, env
     terms = [f for f in faults if f["kind"] == "sigterm"]
     return {
         "backend": backend, "faults": faults, "fired": len(got["fired"]),
-        "recovered_in_run": len(events) + (len(cuts) if got["failed"] == 0 else 0)
-        + (1 if nan and skipped else 0),
         "worker_faults": len(worker), "recoveries": len(events), "s3_cuts": len(cuts),
         "nan_skipped_minibatches": skipped, "sigterm": len(terms),
         "restarted_after_sigterm": got["preempted"], "needing_a_person": got["failed"],

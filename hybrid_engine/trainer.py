@@ -90,6 +90,8 @@ class Engine:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
         self.kl_ctrl = make_kl_ctrl(cfg)
         self.next_gen_batch = 1  # dynamic sampling: the plain loop's data cursor
+        # the last update applied to the weights, {step, meta}: a retried commit uses it
+        self.applied_update: dict[str, Any] | None = None
 
     def _use_pool(self, pool: Any) -> None:
         self.pool = pool

@@ -34,8 +34,8 @@ from typing import Any
 _fired: set[str] = set()
 
 
-def _due(name: str) -> list[str]:
-    """The actions of the faults at point `name` that have not fired in this process."""
+def _due(name: str) -> list[tuple[str, str]]:
+    """(action, spec) of the faults at point `name` that have not fired in this process."""
     spec = os.environ.get("HYBRIDRL_FAULT")
     if not spec:
         return []
@@ -47,18 +47,18 @@ def _due(name: str) -> list[str]:
             if log := os.environ.get("HYBRIDRL_FAULT_LOG"):
                 with open(log, "a") as f:
                     f.write(one.strip() + "\n")
-            due.append(action)
+            due.append((action, one))
     return due
 
 
 def fault_point(name: str) -> None:
-    for action in _due(name):
-        _act(action, name, action)
+    for action, spec in _due(name):
+        _act(action, name, spec)
 
 
 def fault_batch(name: str, batch: Any) -> Any:
     """`<point>=nan`: the batch with NaN advantages in its first row."""
-    for action in _due(name):
+    for action, _ in _due(name):
         if action != "nan":
             raise ValueError(f"HYBRIDRL_FAULT: {name} takes only the action 'nan'")
         batch["advantages"][0] = float("nan")

@@ -183,7 +183,7 @@ def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -
     version = engine.actor.weights_version
     if done and version == step:
         return _result("update", step, done.uri, done.meta, True, advantage)
-    applied = getattr(engine, "applied_update", None)  # a retry after a failed commit
+    applied = engine.applied_update  # a retry after a failed commit
     if not done and version == step and applied and applied["step"] == step:
         uri = store.commit_stage(step, "update", None, applied["meta"])
         return _result("update", step, uri, applied["meta"], False, advantage)
