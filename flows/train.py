@@ -8,6 +8,10 @@
         checkpoint(N)  every trainer.save_freq steps and at the end
     finish             final policy + summary.json
 
+With trainer.max_staleness = k > 0 (asynchronous training) the rollout of step N+k+1 is
+submitted as soon as update(N) made the weights it uses, and runs beside the next k steps'
+reward, advantage and update (`RolloutsAhead`); step N+k+1 takes its result when it starts.
+
 Every task skips work its stage has committed, so the same flow both starts a run and
 resumes one (`resume_from=<run_id>`), wherever the previous flow run stopped. The same
 property heals a run in place: a worker that dies or hangs ends the pass, the pool is
@@ -17,6 +21,7 @@ Parameters are plain JSON values (a deployment can pass them).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import subprocess
@@ -37,7 +42,8 @@ from hybrid_engine.config import (
     redact,
     redacted_keys,
 )
-from hybrid_engine.pool import WorkerLostError
+from hybrid_engine.pool import CallsAbandoned, WorkerLostError
+from hybrid_engine.staleness import rollout_version
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
 from storage.final import history
@@ -149,32 +155,89 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
     )
     validate_, checkpoint_ = validate.with_options(**opts), checkpoint.with_options(**opts)
 
+    ahead = RolloutsAhead(engine, store, rollout_, start)
+    ahead.launch()  # asynchronous: the rollouts the weights held now are for
     done = validate_(engine, store, 0) if t.val_before_train else None
     if done:
         track.step(0, done.metrics)
     step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
-    for step in range(start, t.total_training_steps + 1):
-        began = time.perf_counter()
-        rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
-        scored = reward_(engine, store, step, rolled)
-        advantaged = advantage_(engine, store, step, scored)
-        done = update_(engine, store, step, advantaged)
-        step_wall_s[step] = time.perf_counter() - began
-        metrics = done.metrics
-        last = step == t.total_training_steps
-        if last or (t.test_freq and step % t.test_freq == 0):
-            metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
-        track.step(step, metrics, [rolled, scored, advantaged, done])
-        if last or (t.save_freq and step % t.save_freq == 0):
-            saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep, wait_for=[done])
-            track.tags({"hybridrl.checkpoint": saved.uri})
-        fault_point(f"step-{step}:end")
-        line = step_line(step, metrics, [rolled, scored, advantaged, done])
-        logger.info(line)
-        emit("step_finished", step=step, metrics=metrics, line=line)
+    with ahead:
+        for step in range(start, t.total_training_steps + 1):
+            began = time.perf_counter()
+            if ahead.k:
+                rolled = ahead.take(step)
+            else:
+                engine.publish_weights()  # a separate rollout group (colocated: nothing)
+                rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
+            scored = reward_(engine, store, step, rolled)
+            advantaged = advantage_(engine, store, step, scored)
+            done = update_(engine, store, step, advantaged)
+            ahead.launch()  # the rollout that uses the weights just made
+            step_wall_s[step] = time.perf_counter() - began
+            metrics = done.metrics
+            last = step == t.total_training_steps
+            if last or (t.test_freq and step % t.test_freq == 0):
+                metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
+            track.step(step, metrics, [rolled, scored, advantaged, done])
+            if last or (t.save_freq and step % t.save_freq == 0):  # once the rollouts that
+                older = ahead.results(step + 1, step + ahead.k)  # use older weights are in
+                saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep,
+                                    wait_for=[done, *older])  # fmt: skip
+                track.tags({"hybridrl.checkpoint": saved.uri})
+            fault_point(f"step-{step}:end")
+            line = step_line(step, metrics, [rolled, scored, advantaged, done])
+            logger.info(line)
+            emit("step_finished", step=step, metrics=metrics, line=line)
     result = finish(engine, store, wait_for=[done] if done else None)
     track.tags({"hybridrl.final": result["uri"]})
     return result | {"step_wall_s": step_wall_s}
+
+
+class RolloutsAhead:
+    """Asynchronous training (trainer.max_staleness = k > 0): the rollout of step M uses
+    weights version M-1-k (`hybrid_engine.staleness`), so it is submitted to run in the
+    background as soon as the trainer holds that version, each after the one before (the
+    rollout group generates one at a time). With k = 0 it does nothing."""
+
+    def __init__(self, engine: Engine, store: RunStore, task: Any, first: int) -> None:
+        self.engine, self.store, self.task, self.next = engine, store, task, first
+        self.k = engine.cfg.trainer.max_staleness
+        self.total = engine.cfg.trainer.total_training_steps
+        self.futures: dict[int, Any] = {}
+
+    def launch(self) -> None:
+        """Submit the rollouts whose weights the trainer holds now (or older: those are
+        committed, `tasks.checkpoint.rollouts_missing`)."""
+        if not self.k:
+            return
+        version = self.engine.actor.weights_version
+        while self.next <= min(version + 1 + self.k, self.total):
+            m = self.next
+            if rollout_version(m, self.k) == version and not self.store.is_committed(m, "rollout"):
+                self.engine.publish_weights()
+            before = self.futures.get(m - 1)
+            self.futures[m] = self.task.submit(self.engine, self.store, m,
+                                               wait_for=[before] if before else None)  # fmt: skip
+            self.next += 1
+
+    def take(self, step: int) -> Any:
+        """Step N's rollout, once committed; its error (a dead worker) is raised here."""
+        return self.futures.pop(step).result()
+
+    def results(self, first: int, last: int) -> list[Any]:
+        """The rollouts of steps first..last that were submitted, once committed."""
+        return [self.futures[m].result() for m in range(first, last + 1) if m in self.futures]
+
+    def __enter__(self) -> RolloutsAhead:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """However the steps ended, no rollout is left running (a recovery re-creates the
+        pool next; a preempted driver's rollouts give up at once, `pool.STOPPING`)."""
+        for future in self.futures.values():
+            with contextlib.suppress(Exception, CallsAbandoned):  # the steps' error goes on
+                future.wait()
+        self.futures.clear()
 
 
 def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
@@ -220,6 +283,9 @@ def run_exists(config: str, overrides: list[str], run_id: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- helpers
+SAMPLE_METRICS = ("critic/score/", "critic/rewards/", "response_length/", "rollout_corr/")
+
+
 class StepLog:
     """MLflow for the flow (`tracking.enabled`): each step's metrics exactly once, the run
     marked FINISHED at the end, KILLED when preempted and FAILED when the flow raises (a
@@ -258,6 +324,10 @@ class StepLog:
                 self.rows = history(self.store, step)
             self.tracker.log_curves(self.rows)
         self.tracker.log_step(step, metrics)
+        if "async/weights_version" in metrics:  # the samples' curves by the weights that made
+            version = int(metrics["async/weights_version"])  # them: no shift under asynchrony
+            self.tracker.log_step(version, {f"by_version/{k}": v for k, v in metrics.items()
+                                            if k.startswith(SAMPLE_METRICS)})  # fmt: skip
         self.logged.add(step)
 
     def tags(self, tags: dict[str, str]) -> None:

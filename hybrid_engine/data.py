@@ -119,14 +119,20 @@ class PromptData:
                 f"{len(self.train)} training rows of {cfg.train_source!r}"
             )
 
-    def step_rows(self, step: int) -> list[dict[str, Any]]:
-        """Prompt rows of training step `step` (1-based)."""
+    def step_indices(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, indices of the training rows) of batch `step` (1-based): batch g is
+        the g-th slice of the data order, epoch e's order a shuffle by `train_seed + e`
+        (the rows past the last full batch of an epoch are not used in it)."""
         bs, n = self.cfg.train_batch_size, len(self.train)
         per_epoch = n // bs
         epoch, k = divmod(step - 1, per_epoch)
         order = list(range(n))
         random.Random(self.cfg.train_seed + epoch).shuffle(order)
-        return [self.train[i] for i in order[k * bs : (k + 1) * bs]]
+        return epoch, order[k * bs : (k + 1) * bs]
+
+    def step_rows(self, step: int) -> list[dict[str, Any]]:
+        """Prompt rows of training step `step` (1-based)."""
+        return [self.train[i] for i in self.step_indices(step)[1]]
 
 
 def _question(row: dict[str, Any]) -> str:

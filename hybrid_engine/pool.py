@@ -12,7 +12,8 @@ driver; the next driver finds them again. The state dir is `$HYBRIDRL_RAY_STATE`
 
 Workers live in the Ray namespace `hybridrl-<pool_name>`, named `<group>-<rank>`: the actor
 group (`actor-0..dp-1`, hosting actor+rollout+ref and any colocated critic / reward model)
-and, when placed separately, `critic-*` and `rm-*`. Each group trains in FSDP2 over its own
+and, when placed separately, `critic-*`, `rm-*` and `rollout-*` (generation replicas fed
+the trainer's weights, `hybrid_engine.replica`). Each group trains in FSDP2 over its own
 torch.distributed world. A pool built for another model or layout is refused, not reused.
 """
 
@@ -21,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import ray
-import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from hybrid_engine.batch import Batch
@@ -35,6 +36,7 @@ from hybrid_engine.config import HybridConfig
 from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 from hybrid_engine.models import load_tokenizer
 from hybrid_engine.pool_worker import RemoteWorker, group_plan, pool_spec
+from hybrid_engine.proxy import RoleProxy
 from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's interface
     PoolError,
     _free_port,
@@ -44,7 +46,6 @@ from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's in
     state_dir,
     stop_local_head,
 )
-from hybrid_engine.rollout import SamplingParams
 from hybrid_engine.workers import REUSE_FREED_MEMORY_ENV
 
 
@@ -66,11 +67,20 @@ class WorkerHungError(WorkerLostError):
     peer of a dead rank waiting in a collective)."""
 
 
-# ---------------------------------------------------------------------- worker groups
-class StageLimit:
-    """How long a call of the running stage may take (shared by a pool's groups)."""
+class CallsAbandoned(BaseException):  # noqa: N818 - a stop, like KeyboardInterrupt
+    """The driver is stopping (SIGTERM): a call waited for off the main thread (a rollout
+    running beside the update) gives up instead of holding the driver until it ends."""
 
-    def __init__(self, seconds: float, why: str) -> None:
+
+STOPPING = threading.Event()  # set by the driver's SIGTERM handler (tasks.recovery)
+
+
+# ---------------------------------------------------------------------- worker groups
+class StageLimit(threading.local):
+    """How long a call of the running stage may take (shared by a pool's groups), per
+    thread: a rollout running beside the update has its own stage's limit."""
+
+    def __init__(self, seconds: float, why: str) -> None:  # run again in each thread
         self.seconds, self.why = seconds, why
 
 
@@ -106,6 +116,8 @@ class WorkerGroup:
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:  # in slices of a second: a signal (SIGTERM) is handled meanwhile
+            if STOPPING.is_set() and threading.current_thread() is not threading.main_thread():
+                raise CallsAbandoned(f"{what}: the driver is stopping")
             left = deadline - time.monotonic()
             if left <= 0:
                 self._hung([index[r] for r in pending], what, timeout_s, why)
@@ -185,97 +197,6 @@ class WorkerGroup:
                 out.append({"name": f"{self.name}-{i}", "group": self.name, "rank": i,
                             "pid": self.pids[i], "healthy": False, "error": type(e).__name__})  # fmt: skip
         return out
-
-
-class RoleProxy:
-    """A role served by a group, with the same methods as the in-process role."""
-
-    def __init__(self, group: WorkerGroup, role: str, cfg: HybridConfig) -> None:
-        self.group, self.role, self.cfg = group, role, cfg
-
-    # actor-rollout-ref
-    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        return self.group.call_split(self.role, "generate", batch, sampling)
-
-    def compute_log_prob(self, batch: Batch) -> Batch:
-        return self.group.call_split(self.role, "compute_log_prob", _inputs(batch))
-
-    def rollout_progress(self) -> dict[str, float] | None:
-        """The generate call running now, over all ranks (None when none runs)."""
-        refs = [h.rollout_progress.remote(self.role) for h in self.group.handles]
-        try:
-            parts = [p for p in ray.get(refs, timeout=5.0) if p]
-        except (RayActorError, GetTimeoutError):
-            return None
-        if not parts:
-            return None
-        return {"tokens": sum(p["tokens"] for p in parts),
-                "seconds": max(p["seconds"] for p in parts)}  # fmt: skip
-
-    def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return self.group.call_split(self.role, "compute_ref_log_prob", _inputs(batch))
-
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        return self.group.call_update(
-            self.role, "update_actor", _train(batch), self.cfg.actor.ppo_mini_batch_size
-        )
-
-    # critic
-    def compute_values(self, batch: Batch) -> Batch:
-        return self.group.call_split(self.role, "compute_values", _inputs(batch))
-
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self.group.call_update(
-            self.role, "update_critic", _train(batch), self.cfg.critic.ppo_mini_batch_size
-        )
-
-    # reward model
-    def score(self, batch: Batch) -> Batch:
-        return self.group.call_split(self.role, "score", _inputs(batch))
-
-    # state
-    def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
-        """Every rank writes its part; {file name: sha256} of all of them."""
-        parts = self.group.call_all(self.role, "save", url, storage_options)
-        return {name: sha for part in parts for name, sha in part.items()}
-
-    def load(
-        self, url: str, storage_options: dict | None = None, expected: dict | None = None
-    ) -> int:
-        return self.group.call_all(self.role, "load", url, storage_options, expected)[0]
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.group.call_all(self.role, "full_state_dict")[0]
-
-    def invalidate(self) -> None:
-        self.group.call_all(self.role, "invalidate")
-
-    @property
-    def weights_version(self) -> int:
-        """Rank 0's version (the ranks step together)."""
-        ref = self.group.handles[0].info.remote()
-        return self.group.wait([ref], "weights_version")[0]["weights_version"]
-
-    @property
-    def weights_run(self) -> str | None:
-        """The run whose updates made the weights rank 0 holds (None = fresh)."""
-        ref = self.group.handles[0].info.remote()
-        return self.group.wait([ref], "weights_run")[0][self.role]["weights_run"]
-
-
-INPUT_KEYS = ("input_ids", "attention_mask", "response_mask")
-TRAIN_KEYS = INPUT_KEYS + (
-    "advantages", "returns", "values", "old_log_probs", "ref_log_prob", "rollout_is_weights",
-)  # fmt: skip
-
-
-def _inputs(batch: Batch) -> Batch:
-    """Only what a forward pass needs travels to the workers."""
-    return batch.select(INPUT_KEYS, meta=False)
-
-
-def _train(batch: Batch) -> Batch:
-    return batch.select([k for k in TRAIN_KEYS if k in batch.tensors], meta=False)
 
 
 # -------------------------------------------------------------------------- the pool

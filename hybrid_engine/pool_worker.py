@@ -14,6 +14,7 @@ import torch
 from hybrid_engine.config import HybridConfig, import_plugins
 from hybrid_engine.models import load_tokenizer
 from hybrid_engine.ray_cluster import PoolError, _free_port
+from hybrid_engine.replica import RolloutReplica
 from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
 
 
@@ -32,6 +33,7 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
             "model_path": cfg.reward.model_path, "placement": cfg.ray.reward_model,
             "dp": cfg.ray.reward_model_dp,
         },
+        "rollout_group": cfg.separate_rollout and {"dp": cfg.ray.rollout_dp},
         "reference": cfg.use_reference,
         "rollout.name": cfg.rollout.name,
         "trainer.seed": cfg.trainer.seed,
@@ -53,6 +55,8 @@ def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
             actor_roles.append("rm")
         else:
             plan["rm"] = (cfg.ray.reward_model_dp, ["rm"])
+    if cfg.separate_rollout:
+        plan["rollout"] = (cfg.ray.rollout_dp, ["rollout"])
     return {"actor": (cfg.actor.layout.dp, actor_roles), **plan}
 
 
@@ -86,7 +90,8 @@ class Worker:
     def build(self) -> None:
         """(Re)create the roles from the config: fresh weights, optimizer and version 0."""
         tokenizer = load_tokenizer(self.cfg.model)
-        make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel}
+        make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel,
+                "rollout": RolloutReplica}  # fmt: skip
         self.roles = {}  # free the old models first
         self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
         self.error = None
@@ -110,6 +115,16 @@ class Worker:
             self.error = f"{role}.{method}: {type(e).__name__}: {e}"
             raise
 
+    def publish(self, role: str) -> list | None:
+        """The role's full weights into Ray's object store (all ranks gather, rank 0 puts):
+        `[ref]` from rank 0 (a list, so that the caller does not fetch the tensors)."""
+        state = self.call(role, "full_state_dict")
+        return [ray.put(state)] if self.rank == 0 else None
+
+    def receive(self, role: str, holder: list, version: int) -> float:
+        """Load the weights `publish` put (`holder = [ref]`) into the role; the seconds."""
+        return self.call(role, "receive", ray.get(holder[0]), version)
+
     @ray.method(concurrency_group="status")
     def get_spec(self) -> dict:  # answers at once; `configure` then waits for a call in flight
         return self.spec
@@ -130,8 +145,9 @@ class Worker:
         }  # fmt: skip
         for name, role in self.roles.items():
             out[name] = role.info()
-        if "actor" in self.roles:
-            out["weights_version"] = self.roles["actor"].weights_version
+        for role in ("actor", "rollout"):  # a rollout replica: the version it generates with
+            if role in self.roles:
+                out["weights_version"] = self.roles[role].weights_version
         return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hybrid_engine.batch import Batch
 from hybrid_engine.data import RG_PREFIX
 from hybrid_engine.specs import load_spec
 
@@ -164,3 +165,36 @@ def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
     """(batch,) index of each row's last position with mask 1 (0 for a row without one)."""
     positions = torch.arange(response_mask.shape[1], device=response_mask.device)
     return torch.where(response_mask.bool(), positions, 0).amax(-1)
+
+
+def score_responses(
+    batch: Batch, ids_key: str, mask_key: str, tokenizer: Any, scorer: RewardScorer,
+    reward_model: Any = None,
+) -> list[float]:  # fmt: skip
+    """One score per sample of `batch` (responses under `ids_key` / `mask_key`): the reward
+    model's, if there is one (a role with `score`), else the scorer's on the decoded text (a
+    multi-turn trajectory's final answer)."""
+    ids, mask = batch[ids_key], batch[mask_key]
+    if reward_model is not None:
+        scored = reward_model.score(
+            Batch({
+                "input_ids": torch.cat([batch["prompt_ids"], ids], 1),
+                "attention_mask": torch.cat([batch["prompt_mask"], mask], 1),
+                "response_mask": mask,
+            })
+        )  # fmt: skip
+        return scored["rm_scores"].tolist()
+    completions = (
+        list(batch["final_response"]) if "final_response" in batch  # multi-turn
+        else [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+              for row, m in zip(ids, mask, strict=True)]
+    )  # fmt: skip
+    prompts = [tokenizer.apply_chat_template(p, tokenize=False) for p in batch["prompt"]]
+    rows = [
+        {"data_source": d, "ground_truth": g, "extra_info": e, "prompt": p}
+        for d, g, e, p in zip(
+            batch["data_source"], batch["ground_truth"], batch["extra_info"], batch["prompt"],
+            strict=True,
+        )
+    ]  # fmt: skip
+    return scorer.score(prompts, completions, rows)

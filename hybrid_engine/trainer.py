@@ -37,8 +37,14 @@ from hybrid_engine.multiturn import (
     multi_turn_rollout,
     multi_turn_scores,
 )
-from hybrid_engine.rewards import RewardScorer, overlong_penalty, token_level_scores
+from hybrid_engine.rewards import (
+    RewardScorer,
+    overlong_penalty,
+    score_responses,
+    token_level_scores,
+)
 from hybrid_engine.rollout import SamplingParams
+from hybrid_engine.staleness import WeightsFeed, rollout_version, staleness_metrics
 from hybrid_engine.step_metrics import batch_stats, finish_step, timer
 from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
 
@@ -74,6 +80,7 @@ class Engine:
             cfg.reward.function, cfg.reward.answer_format, cfg.data.task_config
         )
         self.pool = None
+        self.feed: WeightsFeed | None = None  # the trainer's weights to a separate rollout group
         self.critic: Critic | None = None
         self.reward_model: RewardModel | None = None
         if cfg.trainer.backend == "ray":
@@ -88,6 +95,7 @@ class Engine:
                 self.critic = Critic(cfg, self.tokenizer)
             if cfg.use_reward_model:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
+            self.generator = self.actor
         self.kl_ctrl = make_kl_ctrl(cfg)
         self.next_gen_batch = 1  # dynamic sampling: the plain loop's data cursor
         # the last update applied to the weights, {step, meta}: a retried commit uses it
@@ -100,6 +108,10 @@ class Engine:
             self.critic = pool.role("critic")
         if self.cfg.use_reward_model:
             self.reward_model = pool.role("rm")
+        self.generator = self.actor  # who generates the training rollouts
+        if self.cfg.separate_rollout:
+            self.generator = pool.role("rollout")
+            self.feed = WeightsFeed(self.actor, self.generator, self.cfg.trainer.max_staleness)
 
     def recreate_pool(self) -> list[str]:
         """After a worker died or hung: tear the pool down and create it again with the same
@@ -136,7 +148,29 @@ class Engine:
 
     def rollout_progress(self) -> dict[str, float] | None:
         """While `rollout` runs (hf backend): response tokens sampled so far and seconds."""
-        return self.actor.rollout_progress()
+        return self.generator.rollout_progress()
+
+    def publish_weights(self) -> None:
+        """Asynchronous training: the weights the trainer holds now, for the rollouts that
+        are to use them (`hybrid_engine.staleness`); nothing to do when generation is
+        colocated."""
+        if self.feed is not None:
+            self.feed.publish()
+
+    def forget_rollout_weights(self) -> None:
+        """Before a restore: the replicas may hold another run's (or lineage's) version of
+        the same number; the next rollout loads its own."""
+        if self.feed is not None:
+            self.feed.clear()
+            self.generator.invalidate()
+
+    def _rollout_weights(self, step: int, metrics: dict[str, float]) -> int:
+        """The weights version step N's rollout generates with, given to the generator."""
+        if self.feed is None:
+            return self.actor.weights_version
+        version = rollout_version(step, self.cfg.trainer.max_staleness)
+        metrics |= self.feed.feed(version)
+        return version
 
     # -------------------------------------------------------------- 1. rollout
     def sample(
@@ -173,6 +207,7 @@ class Engine:
         r = self.cfg.rollout
         g = step if gen_batch is None else gen_batch
         metrics: dict[str, float] = {}
+        version = self._rollout_weights(step, metrics)
         prompts = prompt_batch(
             self.data.step_rows(g), self.tokenizer, self.cfg.data.max_prompt_length
         )
@@ -186,14 +221,16 @@ class Engine:
             log_probs=self.cfg.algorithm.rollout_correction.enabled,
         )
         with timer(metrics, "gen"):
-            batch = self._generate(prompts.repeat_interleave(r.n), sampling, on_turn)
+            batch = self._generate(prompts.repeat_interleave(r.n), sampling, on_turn,
+                                   self.generator)  # fmt: skip
+        batch["weights_version"] = torch.full((len(batch),), version, dtype=torch.long)
         metrics["timing_s/reshard"] = batch.meta.get("reshard_s", 0.0)
         if "turns" in batch:
             metrics |= multi_turn_metrics(batch)
             metrics["timing_s/env"] = batch.meta["env_seconds"]
         if self.cfg.greedy_baseline:
             with timer(metrics, "gen_baseline"):
-                greedy = self.actor.generate(prompts, SamplingParams(r.max_new_tokens, 0.0))
+                greedy = self.generator.generate(prompts, SamplingParams(r.max_new_tokens, 0.0))
             greedy = greedy.repeat_interleave(r.n)
             batch["baseline_response_ids"] = greedy["response_ids"]
             batch["baseline_response_mask"] = greedy["response_mask"]
@@ -203,15 +240,17 @@ class Engine:
 
     def _generate(
         self, prompts: Batch, sampling: SamplingParams,
-        on_turn: Callable[[int], None] | None = None,
+        on_turn: Callable[[int], None] | None = None, role: Any = None,
     ) -> Batch:  # fmt: skip
-        """One sample per prompt row: a response, or with multi-turn a trajectory."""
+        """One sample per prompt row: a response, or with multi-turn a trajectory; generated
+        by `role` (default: the trainer's own weights, as validation needs)."""
         mt = self.cfg.rollout.multi_turn
+        generate = (role or self.actor).generate
         if not mt.enabled:
-            return self.actor.generate(prompts, sampling)
+            return generate(prompts, sampling)
         envs = [make_environment(mt.environment, mt.env_kwargs) for _ in range(len(prompts))]
         return multi_turn_rollout(
-            self.actor.generate, self.tokenizer, prompts, envs, sampling, mt.max_turns,
+            generate, self.tokenizer, prompts, envs, sampling, mt.max_turns,
             mt.max_total_tokens, self.cfg.data.max_prompt_length, on_turn,
         )  # fmt: skip
 
@@ -261,31 +300,8 @@ class Engine:
         )  # fmt: skip
 
     def _score(self, batch: Batch, ids_key: str, mask_key: str) -> list[float]:
-        ids, mask = batch[ids_key], batch[mask_key]
-        if self.reward_model is not None:
-            prompt_mask = batch["prompt_mask"]
-            scored = self.reward_model.score(
-                Batch({
-                    "input_ids": torch.cat([batch["prompt_ids"], ids], 1),
-                    "attention_mask": torch.cat([prompt_mask, mask], 1),
-                    "response_mask": mask,
-                })
-            )  # fmt: skip
-            return scored["rm_scores"].tolist()
-        completions = (
-            list(batch["final_response"]) if "final_response" in batch  # multi-turn
-            else [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-                  for row, m in zip(ids, mask, strict=True)]
-        )  # fmt: skip
-        prompts = [self.tokenizer.apply_chat_template(p, tokenize=False) for p in batch["prompt"]]
-        rows = [
-            {"data_source": d, "ground_truth": g, "extra_info": e, "prompt": p}
-            for d, g, e, p in zip(
-                batch["data_source"], batch["ground_truth"], batch["extra_info"], batch["prompt"],
-                strict=True,
-            )
-        ]  # fmt: skip
-        return self.scorer.score(prompts, completions, rows)
+        return score_responses(batch, ids_key, mask_key, self.tokenizer, self.scorer,
+                               self.reward_model)  # fmt: skip
 
     # ------------------------------------------------------------ 3. advantage
     def advantage(self, batch: Batch) -> Batch:
@@ -300,6 +316,9 @@ class Engine:
         if self.critic is not None:
             with timer(metrics, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
+        if self.feed is not None and "weights_version" in batch:  # asynchronous: how stale
+            metrics |= staleness_metrics(batch["weights_version"], self.actor.weights_version,
+                                         cfg.trainer.max_staleness, batch.meta.get("step"))  # fmt: skip
         with timer(metrics, "adv"):
             mask = batch["response_mask"]
             if alg.use_kl_in_reward:

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,10 +46,11 @@ MARKER = "COMMITTED"
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class _Critical:
+class _Critical(threading.local):
     """`with critical():` a storage write that a SIGTERM must not interrupt: the handler
     (tasks.recovery.preemption) sees `depth` and leaves `pending` set, and the write's end
-    calls `on_exit`, which raises then."""
+    calls `on_exit`, which raises then. Per thread: the handler runs in the main thread and
+    waits only for its writes (a rollout committing in another thread is not interrupted)."""
 
     def __init__(self) -> None:
         self.depth, self.pending = 0, False

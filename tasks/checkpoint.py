@@ -51,6 +51,11 @@ def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> StageRe
             f"checkpoint of step {step}: the engine holds weights version "
             f"{engine.actor.weights_version}"
         )
+    if missing := rollouts_missing(store, step, engine.cfg.trainer):
+        raise RuntimeError(
+            f"checkpoint of step {step}: the rollouts of steps {missing} use weights older "
+            "than it holds and must be committed first (trainer.max_staleness)"
+        )
     files: dict[str, str] = {}
     for name, role in _roles(engine).items():
         saved = role.save(store.uri(f"{d}/{name}"), _options(engine, store))
@@ -72,17 +77,38 @@ def last_committed_update(store: RunStore) -> int:
     return step
 
 
+def rollouts_missing(store: RunStore, version: int, t: Any) -> list[int]:
+    """Asynchronous training: the rollouts of steps version+1 .. version+k use weights older
+    than `version`; a run can go on from `version` only if they are committed (readable).
+    The steps of those that are not (none with trainer.max_staleness = 0)."""
+    if version == 0:  # the first rollouts use version 0 itself
+        return []
+    last = min(version + t.max_staleness, t.total_training_steps)
+    return [s for s in range(version + 1, last + 1) if store.load_stage(s, "rollout") is None]
+
+
 def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
     """Make the engine hold the weights of the last committed update U; return the first
     step to run and what was done. A warm pool that holds U of this run is kept as is;
     otherwise the newest readable checkpoint C <= U is loaded (the flow then replays the
-    updates C+1..U from their stored batches), or, without one, fresh weights are taken."""
+    updates C+1..U from their stored batches), or, without one, fresh weights are taken.
+    Asynchronous training goes on from a version V only if the rollouts that use older
+    weights than V are committed (`rollouts_missing`): otherwise an older checkpoint."""
     CLOCK.where = "restore"
+    engine.forget_rollout_weights()
     done = last_committed_update(store)
+    t = engine.cfg.trainer
     version, owner = engine.actor.weights_version, engine.actor.weights_run
     if version == done and (done == 0 or owner == store.run_id):
-        return max(done, 1), f"the engine holds weights version {done}: nothing to load"
+        if not (missing := rollouts_missing(store, done, t)):
+            return max(done, 1), f"the engine holds weights version {done}: nothing to load"
+        log.info("the engine holds version %d, but the rollouts of steps %s need older "
+                 "weights: loading a checkpoint", done, missing)  # fmt: skip
     for step in reversed([c for c in store.checkpoints() if c <= done]):
+        if missing := rollouts_missing(store, step, t):
+            log.info("checkpoint step_%d: the rollouts of steps %s are not committed and need "
+                     "older weights; trying an older one", step, missing)  # fmt: skip
+            continue
         got = store.checkpoint_files(step)
         if got is None:
             continue

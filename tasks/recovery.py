@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.pool import WorkerLostError
+from hybrid_engine.pool import STOPPING, WorkerLostError
 from hybrid_engine.trainer import Engine
 from storage.store import RunStore, critical
 
@@ -119,7 +119,8 @@ class Recovery:
         """Record the fault; past pipeline.max_recoveries raise RecoveryExhausted, else back
         off and re-create the pool. Returns the event."""
         p = self.cfg.pipeline
-        event = {"at": time.time(), "where": CLOCK.where, "step": CLOCK.step,
+        where, step = getattr(error, "where", (CLOCK.where, CLOCK.step))
+        event = {"at": time.time(), "where": where, "step": step,
                  "worker": error.worker, "how": error.how, "error": str(error)}  # fmt: skip
         self.events.append(event)
         self._record()
@@ -176,11 +177,13 @@ def preemption() -> Iterator[None]:
         return
 
     def on_term(signum: int, frame: Any) -> None:
+        STOPPING.set()  # a rollout waited for in another thread gives up
         critical.pending = True
         if not critical.depth:
             critical.pending = False
             raise Preempted(f"SIGTERM at {CLOCK.where or 'start-up'}")
 
+    STOPPING.clear()
     before = signal.signal(signal.SIGTERM, on_term)
     critical.on_exit = _raise_pending
     _armed.append(on_term)

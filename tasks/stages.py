@@ -27,6 +27,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NONE
 
+from hybrid_engine.pool import WorkerLostError
 from hybrid_engine.step_metrics import finish_step, peak_rss_gb
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_batch, fault_point
@@ -50,9 +51,13 @@ def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
     def announced(*args: Any, **kwargs: Any) -> StageResult:
         a = signature.bind(*args, **kwargs).arguments
         emit("stage_started", step=a["step"], stage=fn.__name__, engine=a["engine"])
-        with stage_limit(a["engine"], a["step"], fn.__name__):  # a hung worker: declared so
-            fault_point(f"step-{a['step']}/{fn.__name__}:start")
-            result = fn(*args, **kwargs)
+        try:
+            with stage_limit(a["engine"], a["step"], fn.__name__):  # a hung worker: so declared
+                fault_point(f"step-{a['step']}/{fn.__name__}:start")
+                result = fn(*args, **kwargs)
+        except WorkerLostError as e:  # where it happened (a rollout may run beside the update)
+            e.where = (f"step-{a['step']}/{fn.__name__}", a["step"])
+            raise
         upstream = [v for v in a.values() if isinstance(v, StageResult)]
         own_s = result.step_s - (upstream[0].step_s if upstream else 0.0)
         CLOCK.record(fn.__name__, own_s)
@@ -116,11 +121,23 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
         batch = _dynamic_rollout(engine, store, step)
     else:  # a multi-turn rollout passes a crash point after each turn
         batch = engine.rollout(step, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))
-    meta = {"metrics": batch.meta["metrics"], "weights_version": engine.actor.weights_version}
+    meta = {"metrics": batch.meta["metrics"],
+            "weights_version": int(batch["weights_version"][0])}  # fmt: skip
     if "gen_batches" in batch.meta:  # the prompts this step consumed, and where the next starts
         meta |= {k: batch.meta[k] for k in ("gen_batches", "next_gen_batch")}
+    meta["prompts"] = consumed(engine, batch.meta.get("gen_batches", [step]))
     meta["wall_s"] = time.perf_counter() - start
     return _result("rollout", step, store.commit_stage(step, "rollout", batch, meta), meta, False)
+
+
+def consumed(engine: Engine, gen_batches: list[int]) -> list[dict[str, Any]]:
+    """The prompts a rollout consumed: per batch of the data order, its epoch and the
+    training rows' indices (`PromptData.step_indices`)."""
+    out = []
+    for g in gen_batches:
+        epoch, rows = engine.data.step_indices(g)
+        out.append({"batch": g, "epoch": epoch, "rows": rows})
+    return out
 
 
 def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:

@@ -31,6 +31,12 @@ class TrainerConfig(Section):
     backend: Literal["local", "ray"] = Field(
         "local", description="local = roles in this process; ray = the persistent worker pool"
     )
+    max_staleness: int = Field(
+        0, ge=0, description="asynchronous (off-policy) training: the rollout of step N+k uses "
+        "weights version N-1, so it runs while steps N..N+k-1 train; 0 = synchronous. > 0 "
+        "puts generation in its own pool group (trainer.backend=ray, ray.rollout=separate) and "
+        "corrects the staleness with algorithm.rollout_correction (level token if unset)",
+    )  # fmt: skip
     run_id: str | None = Field(None, description="None = <preset>-<timestamp>")
     num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
     reuse_freed_memory: bool = Field(
@@ -156,6 +162,12 @@ class RayConfig(Section):
         "colocated", description="reward model in the actor ranks' processes, or its own group"
     )
     reward_model_dp: int = Field(1, ge=1, description="ranks of a separate reward-model group")
+    rollout: Literal["colocated", "separate"] = Field(
+        "colocated", description="generation in the actor ranks' processes (hybrid engine), "
+        "or in its own group fed the trainer's weights after each update (asynchronous "
+        "training needs it)",
+    )  # fmt: skip
+    rollout_dp: int = Field(1, ge=1, description="replicas of a separate rollout group")
     call_timeout_s: float = Field(
         3600, gt=0, description="longest wait for one stage call (also the collective timeout)"
     )

@@ -129,6 +129,32 @@ class HybridConfig(BaseSettings):
     def use_reward_model(self) -> bool:
         return self.reward.model_path is not None
 
+    @property
+    def separate_rollout(self) -> bool:
+        """Generation runs in its own pool group (`ray.rollout=separate`)."""
+        return self.trainer.backend == "ray" and self.ray.rollout == "separate"
+
+    @model_validator(mode="after")
+    def _asynchronous(self) -> HybridConfig:
+        """trainer.max_staleness > 0 picks what it needs: generation in its own processes
+        (the pool, a separate rollout group) and rollout correction of the stale samples."""
+        if not self.trainer.max_staleness:
+            return self
+        k = f"trainer.max_staleness={self.trainer.max_staleness}"
+        if self.rollout.name != "hf":
+            raise ValueError(f"{k} with rollout.name={self.rollout.name}: feeding a separate "
+                             "vLLM rollout group is not built yet; use rollout.name=hf")  # fmt: skip
+        fg = self.algorithm.filter_groups.enabled
+        if fg and self.reward.model_path is not None and self.ray.reward_model == "colocated":
+            raise ValueError(f"{k} with algorithm.filter_groups and a reward model: dynamic "
+                             "sampling scores while the trainer runs; set "
+                             "ray.reward_model=separate")  # fmt: skip
+        self.trainer.backend = "ray"
+        self.ray.rollout = "separate"
+        if not self.algorithm.rollout_correction.enabled:
+            self.algorithm.rollout_correction.level = "token"
+        return self
+
     @model_validator(mode="after")
     def _check_batch_sizes(self) -> HybridConfig:
         n = self.samples_per_step
@@ -196,9 +222,10 @@ class HybridConfig(BaseSettings):
                     f"{_kv(many)}: the local backend runs one rank in this process; "
                     "set trainer.backend=ray for data-parallel ranks"
                 )
-            if self.ray.critic == "separate" or self.ray.reward_model == "separate":
+            if "separate" in (self.ray.critic, self.ray.reward_model, self.ray.rollout):
                 raise ValueError(
-                    "ray.critic / ray.reward_model = separate need trainer.backend=ray"
+                    "ray.critic / ray.reward_model / ray.rollout = separate need "
+                    "trainer.backend=ray"
                 )
         n = self.samples_per_step
         for key, group_dp, size in [
@@ -233,7 +260,7 @@ class HybridConfig(BaseSettings):
                     f"actor.layout.rollout.tp={lay.rollout.tp}: the hf rollout keeps full weights "
                     "per replica; tensor-parallel rollout needs rollout.name=vllm (GPU)"
                 )
-            if rdp != lay.dp:
+            if rdp != lay.dp and not self.separate_rollout:
                 raise ValueError(
                     f"actor.layout.rollout.dp={rdp}: with the colocated hf rollout every training "
                     f"rank is one replica, so it must equal actor.layout.dp={lay.dp}"

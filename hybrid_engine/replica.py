@@ -1,0 +1,75 @@
+"""A rollout replica: generation in its own process, on weights the trainer sends it.
+
+With `ray.rollout=separate` (what `trainer.max_staleness > 0` picks) the pool has a
+`rollout` group beside the actor group. Its ranks hold a plain copy of the policy in rollout
+layout (full weights, no optimizer, no reference) and generate while the trainer trains:
+
+    trainer (actor group)                         rollout group
+    publish: full weights of version v  ──ray──▶  receive(v): load them in place
+    update(N) ...                                 generate(step N+k) with version v
+
+The weights travel through Ray's object store: rank 0 of the actor group gathers the FSDP
+shards and puts one copy there (`publish`), each replica reads it (`receive`). A replica
+knows which version it holds; the driver decides which version each rollout must use.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from hybrid_engine.batch import Batch
+from hybrid_engine.config import HybridConfig
+from hybrid_engine.lora import add_lora, lora_config
+from hybrid_engine.models import load_policy
+from hybrid_engine.rollout import HFRollout, SamplingParams
+
+
+class RolloutReplica:
+    """Generation only: the policy's architecture, the trainer's weights of one version."""
+
+    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.cfg = cfg
+        self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed).to(cfg.device)
+        if cfg.actor.lora.rank:  # the trainer's state dict holds the adapters beside the base
+            add_lora(self.policy, lora_config(cfg.actor.lora), cfg.trainer.seed)
+        self.policy.requires_grad_(False)
+        self.rollout = HFRollout(
+            self.policy, tokenizer.pad_token_id, tokenizer.eos_token_id,
+            cfg.rollout.micro_batch_size,
+        )  # fmt: skip
+        self.weights_version = -1  # none received yet: the first rollout loads version 0 too
+
+    def configure(self, cfg: HybridConfig) -> None:
+        self.cfg = cfg
+        self.rollout.micro_batch_size = cfg.rollout.micro_batch_size
+
+    @torch.no_grad()
+    def receive(self, state: dict[str, torch.Tensor], version: int) -> float:
+        """Load the trainer's full weights of `version` in place; returns the seconds."""
+        start = time.perf_counter()
+        missing, unexpected = self.policy.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise RuntimeError(
+                f"weights of version {version} do not fit the rollout replica: missing "
+                f"{missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        self.weights_version = version
+        return time.perf_counter() - start
+
+    def invalidate(self) -> None:
+        """Hold no known version: the next rollout loads the one it needs."""
+        self.weights_version = -1
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        out = self.rollout.generate(batch, sampling)
+        out.meta["reshard_s"] = 0.0
+        return out
+
+    def rollout_progress(self) -> dict[str, float] | None:
+        return self.rollout.progress()
+
+    def info(self) -> dict:
+        return {"weights_version": self.weights_version}
