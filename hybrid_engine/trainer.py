@@ -95,7 +95,6 @@ class Engine:
                 self.critic = Critic(cfg, self.tokenizer)
             if cfg.use_reward_model:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
-            self.generator = self.actor
         self.kl_ctrl = make_kl_ctrl(cfg)
         self.next_gen_batch = 1  # dynamic sampling: the plain loop's data cursor
         # the last update applied to the weights, {step, meta}: a retried commit uses it
@@ -108,10 +107,14 @@ class Engine:
             self.critic = pool.role("critic")
         if self.cfg.use_reward_model:
             self.reward_model = pool.role("rm")
-        self.generator = self.actor  # who generates the training rollouts
         if self.cfg.separate_rollout:
-            self.generator = pool.role("rollout")
-            self.feed = WeightsFeed(self.actor, self.generator, self.cfg.trainer.max_staleness)
+            replicas = pool.role("rollout")
+            self.feed = WeightsFeed(self.actor, replicas, self.cfg.trainer.max_staleness)
+
+    @property
+    def generator(self) -> Any:
+        """Who generates the training rollouts: the actor, or the separate rollout group."""
+        return self.actor if self.feed is None else self.feed.replicas
 
     def recreate_pool(self) -> list[str]:
         """After a worker died or hung: tear the pool down and create it again with the same

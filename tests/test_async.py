@@ -59,6 +59,36 @@ def test_the_schedule_fixes_each_rollouts_weights_version_and_bounds_staleness()
         staleness_metrics(torch.tensor([1, 1]), 3, 1, 5)
 
 
+@pytest.mark.parametrize("extra", [[], ["actor.lora.rank=4", "actor.lora.alpha=8"]],
+                         ids=["full", "lora"])  # fmt: skip
+def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
+    """After one update (version 1) the trainer's full state dict goes into a fresh replica:
+    the same tokens and sampling log-probs as the trainer's own rollout; before, not."""
+    from test_engine import SIGNAL
+
+    from hybrid_engine.data import prompt_batch
+    from hybrid_engine.replica import RolloutReplica
+    from hybrid_engine.rollout import SamplingParams
+    from hybrid_engine.trainer import Engine
+
+    cfg = load_config("configs/grpo_tiny.yaml", [SIGNAL, "actor.optim.lr=1e-2", *extra])
+    engine = Engine(cfg)
+    engine.update(engine.advantage(engine.reward(engine.rollout(1))))
+    prompts = prompt_batch(engine.data.step_rows(2), engine.tokenizer, 64).repeat_interleave(4)
+    sampling = SamplingParams(8, 1.0, seed=7, log_probs=True)
+    want = engine.actor.generate(prompts, sampling)
+    replica = RolloutReplica(cfg, engine.tokenizer)
+    fresh = replica.generate(prompts, sampling)
+    assert not torch.equal(fresh["rollout_log_probs"], want["rollout_log_probs"])
+    assert replica.receive(engine.actor.full_state_dict(), 1) >= 0
+    got = replica.generate(prompts, sampling)
+    assert replica.weights_version == 1
+    assert torch.equal(got["response_ids"], want["response_ids"])
+    # the same numbers up to float32 rounding (another module's memory: measured <= 1e-6)
+    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=1e-5,
+                               rtol=0)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- pipeline
 @pytest.fixture(scope="module")
 def ray_env(tmp_path_factory):
@@ -87,9 +117,11 @@ def run(root: Path, run_id: str, prefect_api: str, env: dict, fault: str | None 
 @pytest.fixture(scope="module")
 def async_reference(tmp_path_factory, prefect_api, ray_env):
     root = tmp_path_factory.mktemp("async-ref")
-    rc, out = run(root, "ref", prefect_api, ray_env)
+    db = f"sqlite:///{root}/mlflow.db"
+    rc, out = run(root, "ref", prefect_api, ray_env,
+                  extra=("tracking.enabled=true", f"tracking.uri={db}"))  # fmt: skip
     assert rc == 0, out
-    return root / "ref", final_state(fs_for(str(root), None), f"{root}/ref")
+    return root / "ref", final_state(fs_for(str(root), None), f"{root}/ref"), db
 
 
 def test_an_asynchronous_run_keeps_its_schedule_bound_and_prompt_order(async_reference):
@@ -98,7 +130,7 @@ def test_an_asynchronous_run_keeps_its_schedule_bound_and_prompt_order(async_ref
     where they do not, and every prompt of the data order was consumed once, in order."""
     from hybrid_engine.data import PromptData
 
-    run_dir, (_, history) = async_reference
+    run_dir, (_, history), db = async_reference
     steps = run_dir / "steps"
     consumed = []
     for n in range(1, STEPS + 1):
@@ -128,6 +160,16 @@ def test_an_asynchronous_run_keeps_its_schedule_bound_and_prompt_order(async_ref
     ]
     assert consumed == order and len(set(consumed)) == len(consumed)
     assert [r["step"] for r in history] == list(range(STEPS + 1))
+    # MLflow: the samples' metrics also by the weights version that generated them
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(db)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("hybridrl").experiment_id])
+    got = client.get_metric_history(mlrun.info.run_id, "by_version/critic/score/mean")
+    by_step = {r["step"]: r["critic/score/mean"] for r in history if r["step"]}
+    assert sorted((m.step, m.value) for m in got) == sorted(
+        (max(0, n - 2), by_step[n]) for n in range(1, STEPS + 1)
+    )
 
 
 def test_killed_at_each_point_of_the_overlap_and_resumed_is_exact(
