@@ -53,8 +53,24 @@ class StageClock:
 
     def __init__(self) -> None:
         self.walls: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=5))
-        self.where = ""  # the stage running now, e.g. "step-3/update"
-        self.step = 0  # its step
+        self._here = threading.local()  # per thread: a rollout may run beside the update
+
+    @property
+    def where(self) -> str:
+        """The stage this thread runs now, e.g. "step-3/update"."""
+        return getattr(self._here, "where", "")
+
+    @where.setter
+    def where(self, value: str) -> None:
+        self._here.where = value
+
+    @property
+    def step(self) -> int:
+        return getattr(self._here, "step", 0)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._here.step = value
 
     def record(self, stage: str, seconds: float) -> None:
         if seconds > 0:
@@ -131,7 +147,7 @@ class Recovery:
             what = ", ".join(f"{k} {n}x" for k, n in seen.items())
             raise RecoveryExhausted(
                 f"{what}: {self.count} worker faults, more than pipeline.max_recoveries="
-                f"{p.max_recoveries}; the run stopped at {CLOCK.where} with every committed "
+                f"{p.max_recoveries}; the run stopped at {where} with every committed "
                 f"stage kept. Continue it with `hybridrl resume {self.store.run_id}`"
             ) from None
         delay = p.recovery_delay_s * 2 ** (self.count - 1)

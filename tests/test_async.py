@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import ARGS, STEPS, assert_same_run, driver, final_state, fs_for, rollout_markers
 from safetensors.torch import load_file
 
 from hybrid_engine.config import ConfigError, load_config
 from hybrid_engine.staleness import StaleSamples, rollout_version, staleness_metrics
-from runs import ARGS, STEPS, assert_same_run, driver, final_state, fs_for, rollout_markers
 
 ASYNC = ["trainer.max_staleness=1", "ray.pool_name=async", "ray.call_timeout_s=120",
          "pipeline.recovery_delay_s=0.2"]  # fmt: skip
