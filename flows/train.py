@@ -167,7 +167,7 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
             if ahead.k:
                 rolled = ahead.take(step)
             else:
-                engine.publish_weights()  # a separate rollout group (colocated: nothing)
+                ahead.publish_for(step)  # a separate rollout group (colocated: nothing)
                 rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
             scored = reward_(engine, store, step, rolled)
             advantaged = advantage_(engine, store, step, scored)
@@ -213,12 +213,17 @@ class RolloutsAhead:
         version = self.engine.actor.weights_version
         while self.next <= min(version + 1 + self.k, self.total):
             m = self.next
-            if rollout_version(m, self.k) == version and not self.store.is_committed(m, "rollout"):
-                self.engine.publish_weights()
+            if rollout_version(m, self.k) == version:
+                self.publish_for(m)
             before = self.futures.get(m - 1)
             self.futures[m] = self.task.submit(self.engine, self.store, m,
                                                wait_for=[before] if before else None)  # fmt: skip
             self.next += 1
+
+    def publish_for(self, step: int) -> None:
+        """The trainer's weights for step N's rollout, unless it is committed already."""
+        if not self.store.is_committed(step, "rollout"):
+            self.engine.publish_weights()
 
     def take(self, step: int) -> Any:
         """Step N's rollout, once committed; its error (a dead worker) is raised here."""

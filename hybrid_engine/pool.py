@@ -56,6 +56,7 @@ class WorkerLostError(PoolError):
     def __init__(self, message: str, worker: str, how: str) -> None:
         super().__init__(message)
         self.worker, self.how = worker, how  # e.g. "actor-1", "died" | "hung"
+        self.where: tuple[str, int] | None = None  # the stage task it ended ("step-3/rollout", 3)
 
 
 class WorkerDiedError(WorkerLostError):

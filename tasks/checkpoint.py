@@ -51,7 +51,7 @@ def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> StageRe
             f"checkpoint of step {step}: the engine holds weights version "
             f"{engine.actor.weights_version}"
         )
-    if missing := rollouts_missing(store, step, engine.cfg.trainer):
+    if missing := rollouts_missing(store, step, engine.cfg.trainer, verify=False):
         raise RuntimeError(
             f"checkpoint of step {step}: the rollouts of steps {missing} use weights older "
             "than it holds and must be committed first (trainer.max_staleness)"
@@ -77,14 +77,17 @@ def last_committed_update(store: RunStore) -> int:
     return step
 
 
-def rollouts_missing(store: RunStore, version: int, t: Any) -> list[int]:
+def rollouts_missing(store: RunStore, version: int, t: Any, verify: bool = True) -> list[int]:
     """Asynchronous training: the rollouts of steps version+1 .. version+k use weights older
-    than `version`; a run can go on from `version` only if they are committed (readable).
-    The steps of those that are not (none with trainer.max_staleness = 0)."""
+    than `version`; a run can go on from `version` only if they are committed (with `verify`,
+    their objects read back against their sums; without, the markers alone). The steps of
+    those that are not (none with trainer.max_staleness = 0)."""
     if version == 0:  # the first rollouts use version 0 itself
         return []
     last = min(version + t.max_staleness, t.total_training_steps)
-    return [s for s in range(version + 1, last + 1) if store.load_stage(s, "rollout") is None]
+    ok = (lambda s: store.load_stage(s, "rollout") is not None) if verify else (
+        lambda s: store.is_committed(s, "rollout"))  # fmt: skip
+    return [s for s in range(version + 1, last + 1) if not ok(s)]
 
 
 def restore(engine: Engine, store: RunStore) -> tuple[int, str]:

@@ -135,7 +135,7 @@ class Recovery:
         """Record the fault; past pipeline.max_recoveries raise RecoveryExhausted, else back
         off and re-create the pool. Returns the event."""
         p = self.cfg.pipeline
-        where, step = getattr(error, "where", (CLOCK.where, CLOCK.step))
+        where, step = error.where or (CLOCK.where, CLOCK.step)
         event = {"at": time.time(), "where": where, "step": step,
                  "worker": error.worker, "how": error.how, "error": str(error)}  # fmt: skip
         self.events.append(event)

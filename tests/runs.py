@@ -44,6 +44,22 @@ def driver(args: list[str], prefect_api: str, fault: str | None = None, extra_en
     return proc.returncode, out
 
 
+@contextlib.contextmanager
+def own_ray_head(state: Path, pool_name: str):
+    """A pool on its own local head (state dir `state`): yields the drivers' environment;
+    afterwards `pool down`, and nothing of the head may be left running."""
+    from hybrid_engine import pool
+
+    env = {"HYBRIDRL_RAY_STATE": str(state)}
+    yield env
+    head = state / "head.json"
+    if head.is_file():
+        temp_dir = json.loads(head.read_text())["temp_dir"]
+        subprocess.run([sys.executable, "-m", "flows.cli", "pool", "down", "--pool", pool_name],
+                       cwd=ROOT, env={**os.environ, **env}, capture_output=True, timeout=120)  # fmt: skip
+        assert not pool._head_processes(temp_dir), "the local Ray head outlived the test"
+
+
 def fs_for(root: str, endpoint: str | None):
     opts = {"endpoint_url": endpoint} if root.startswith("s3://") else {}
     return fsspec.core.url_to_fs(root, **opts)[0]

@@ -11,14 +11,21 @@ replica and trainer die mid-call, must end with its exact weights and metrics.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from runs import ARGS, STEPS, assert_same_run, driver, final_state, fs_for, rollout_markers
+from runs import (
+    ARGS,
+    STEPS,
+    assert_same_run,
+    driver,
+    final_state,
+    fs_for,
+    own_ray_head,
+    rollout_markers,
+)
 from safetensors.torch import load_file
 
 from hybrid_engine.config import ConfigError, load_config
@@ -93,17 +100,8 @@ def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
 @pytest.fixture(scope="module")
 def ray_env(tmp_path_factory):
     """The pool's own local head for this module, stopped at the end with nothing left."""
-    from hybrid_engine import pool
-
-    state = tmp_path_factory.mktemp("ray")
-    env = {"HYBRIDRL_RAY_STATE": str(state)}
-    yield env
-    head = state / "head.json"
-    if head.is_file():
-        temp_dir = json.loads(head.read_text())["temp_dir"]
-        subprocess.run([".venv/bin/python", "-m", "flows.cli", "pool", "down", "--pool", "async"],
-                       env={**os.environ, **env}, capture_output=True, timeout=120)  # fmt: skip
-        assert not pool._head_processes(temp_dir), "the local Ray head outlived the tests"
+    with own_ray_head(tmp_path_factory.mktemp("ray"), "async") as env:
+        yield env
 
 
 def run(root: Path, run_id: str, prefect_api: str, env: dict, fault: str | None = None,

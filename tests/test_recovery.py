@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runs import ARGS, assert_same_run, driver, final_state, fs_for
+from runs import ARGS, assert_same_run, driver, final_state, fs_for, own_ray_head
 
 POOL = ["trainer.backend=ray", "ray.pool_name=recovery", "ray.call_timeout_s=120",
         "pipeline.recovery_delay_s=0.2"]  # fmt: skip
@@ -27,18 +27,8 @@ POOL = ["trainer.backend=ray", "ray.pool_name=recovery", "ray.call_timeout_s=120
 @pytest.fixture()
 def ray_state(tmp_path):
     """The pool's own local head, stopped at the end with nothing left running."""
-    from hybrid_engine import pool
-
-    env = {"HYBRIDRL_RAY_STATE": str(tmp_path / "ray")}
-    yield env
-    head = tmp_path / "ray" / "head.json"
-    if head.is_file():
-        temp_dir = json.loads(head.read_text())["temp_dir"]
-        subprocess.run(
-            [".venv/bin/python", "-m", "flows.cli", "pool", "down", "--pool", "recovery"],
-            env={**__import__("os").environ, **env}, capture_output=True, timeout=120,
-        )  # fmt: skip
-        assert not pool._head_processes(temp_dir), "the local Ray head outlived the test"
+    with own_ray_head(tmp_path / "ray", "recovery") as env:
+        yield env
 
 
 def train(tmp_path: Path, run_id: str, extra: list[str], prefect_api: str, fault: str,
