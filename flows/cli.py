@@ -2,7 +2,10 @@
 
     hybridrl train CONFIG [key.path=value ...]   a run as the Prefect `train` flow
     hybridrl resume RUN_ID [storage.root=...]    continue a run where it stopped
+    hybridrl fork RUN_ID --at STEP/STAGE [...]   a new run from another's stored stages
+    hybridrl replay RUN_ID STEP/STAGE | --all    recompute stored stages, compare (audit)
     hybridrl runs list|show RUN|compare A B      runs as MLflow tracked them
+    hybridrl runs tree RUN | delete RUN          a run's forks; delete what no fork uses
     hybridrl pool status [--pool NAME]           the persistent workers: version, role, RSS
     hybridrl pool down [--pool NAME]             stop them (and the local Ray head if idle)
     hybridrl deploy [NAME ...]                   deployments/prefect.yaml to $PREFECT_API_URL
@@ -19,7 +22,9 @@ import os
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from flows.cli_runs import console, runs_app
+from flows.cli_runs import fail as _fail
 
 app = typer.Typer(
     add_completion=False,
@@ -36,7 +41,7 @@ app = typer.Typer(
 
 `hybridrl COMMAND --help` explains each command.""",
 )
-console = Console()
+app.add_typer(runs_app, name="runs")
 
 Overrides = Annotated[
     list[str] | None, typer.Argument(help="dotted overrides: actor.optim.lr=1e-6")
@@ -53,14 +58,21 @@ class _NoTraceback(logging.Filter):
 
 
 def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resume: bool,
-              debug: bool) -> None:  # fmt: skip
+              debug: bool, fork_from: str | None = None) -> None:  # fmt: skip
     try:
         from hybrid_engine.config import load_config
 
         if resume:  # the stored config with the overrides, checked as the flow will
-            from flows.train import open_run
+            from flows.opening import resumed_config
 
-            cfg, _ = open_run(None, overrides, run_id, resume=True)
+            cfg = resumed_config(run_id, overrides)
+        elif fork_from:  # the parent's config with the overrides a fork may change
+            from flows.opening import open_run, run_exists
+
+            if run_id and run_exists(overrides, run_id):  # the flow would resume it
+                raise FileExistsError(f"run {run_id!r} already exists: `hybridrl resume {run_id}`")
+            opened = open_run(None, overrides, run_id, fork_from=fork_from)
+            cfg, run_id = opened.cfg, opened.store.run_id
         else:
             cfg = load_config(config, overrides)
         if not resume:  # bad input fails here, in a second, before Prefect starts
@@ -74,11 +86,12 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
 
             preflight(cfg)  # model dirs, data, reward function, storage root: seconds
             run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
-            from flows.train import refuse_existing
+            from flows.opening import refuse_existing
             from storage.store import RunStore
 
             refuse_existing(RunStore(cfg.storage, run_id))
-            console.print(f"run id: [bold]{run_id}[/]")
+            console.print(f"run id: [bold]{run_id}[/]"
+                          + (f" (a fork of {fork_from})" if fork_from else ""))  # fmt: skip
         if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
             from hybrid_engine.workers import reuse_freed_memory
 
@@ -89,7 +102,10 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
             for handler in logging.getLogger().handlers:  # Prefect's console handler
                 handler.addFilter(_NoTraceback())
         kwargs = {"overrides": secrets_to_environment(overrides)}
-        kwargs |= {"resume_from": run_id} if resume else {"config": config, "run_id": run_id}
+        if resume:
+            kwargs["resume_from"] = run_id
+        else:
+            kwargs |= {"config": config, "run_id": run_id, "fork_from": fork_from}
         if console.is_terminal and not debug:  # live steps/stage lines under the log
             from flows.display import LiveDisplay
             from tasks.progress import listening
@@ -182,6 +198,108 @@ def resume(
     _run_flow(None, overrides or [], run_id, True, debug)
 
 
+@app.command()
+def fork(
+    run_id: Annotated[str, typer.Argument(help="the run to fork (the parent)")],
+    at: Annotated[
+        str,
+        typer.Option(
+            "--at", help="STEP/STAGE: the first stage the fork computes, e.g. 20/advantage"
+        ),
+    ],  # fmt: skip
+    new_run_id: Annotated[
+        str | None,
+        typer.Option("--run-id", help="the fork's run id (default: <parent>-fork-<step>-<stage>)"),
+    ] = None,  # fmt: skip
+    overrides: Overrides = None,
+    debug: Debug = False,
+) -> None:
+    """Fork a run at a stage: a new run whose steps before STEP, and the stages of STEP
+    before STAGE, are the parent's committed stages (referenced by their sha256, not
+    copied); from there on it computes with the overrides.
+
+    The fork starts from the parent's weights at that point (its checkpoint before STEP plus
+    the stored updates). What a fork may change depends on STAGE: at `advantage` it may
+    change `algorithm.*` and `actor.*` but not `rollout.*` (its rollout is the parent's);
+    the data, model and seed never. Refused keys are named with the reason."""
+    _run_flow(None, overrides or [], new_run_id, False, debug, fork_from=f"{run_id}@{at}")
+
+
+@app.command()
+def replay(
+    run_id: Annotated[str, typer.Argument(help="the run to audit")],
+    at: Annotated[
+        str | None,
+        typer.Argument(
+            help="STEP/STAGE, e.g. 3/advantage (stages: rollout reward advantage update validate)"
+        ),
+    ] = None,  # fmt: skip
+    all_stages: Annotated[bool, typer.Option("--all", help="every committed stage")] = False,
+    storage_root: Annotated[str | None, typer.Option("--storage-root")] = None,
+    debug: Debug = False,
+) -> None:
+    """Recompute committed stages from their stored inputs and the weights they saw, and
+    compare with what is stored: bit-equal, or the first differing tensor (or metric) and
+    its largest difference. Exit status 1 when a stage differs.
+
+    One stage, or `--all` on a fresh engine in the order the weights were made. A pool run
+    is replayed on a pool of its own (`<ray.pool_name>-audit`, stopped at the end)."""
+    import time
+
+    from rich.table import Table
+
+    if (at is None) == (not all_stages):
+        _fail(ValueError("give STEP/STAGE or --all"))
+    engine = None
+    try:
+        from flows.opening import resumed_config
+        from hybrid_engine.trainer import Engine
+        from storage.store import RunStore
+        from tasks.replay import STAGE_ORDER, Replayer, audit_run
+
+        where = [f"storage.root={storage_root}"] if storage_root else []
+        cfg = resumed_config(run_id, where)
+        if cfg.trainer.backend == "ray":
+            cfg = resumed_config(run_id, [*where, f"ray.pool_name={cfg.ray.pool_name}-audit"])
+        store = RunStore(cfg.storage, run_id)
+        if at is not None:
+            step, _, stage = at.partition("/")
+            if not step.isdigit() or stage not in STAGE_ORDER:
+                raise ValueError(f"{at!r}: write STEP/STAGE, STAGE one of {', '.join(STAGE_ORDER)}")
+        began = time.perf_counter()
+        engine = Engine(cfg)
+        table = Table(title=f"replay of {run_id}")
+        for col in ("stage", "result", "seconds"):
+            table.add_column(col)
+        audits = (audit_run(engine, store) if all_stages
+                  else iter([Replayer(engine, store).replay(int(step), stage)]))  # fmt: skip
+        differ = 0
+        for a in audits:
+            mark = {True: "[green]bit-equal[/]", False: f"[red]{a.detail}[/]", None: a.detail}
+            console.print(
+                f"{a.step}/{a.stage}: {mark[a.equal]} ({a.seconds:.2f} s)", highlight=False
+            )
+            table.add_row(f"{a.step}/{a.stage}", mark[a.equal], f"{a.seconds:.2f}")
+            differ += a.equal is False
+        if all_stages:
+            console.print(table)
+        console.print(f"{'all equal' if not differ else f'{differ} stage(s) differ'} "
+                      f"({time.perf_counter() - began:.0f} s)")  # fmt: skip
+    except (KeyboardInterrupt, typer.Exit):
+        raise
+    except Exception as e:
+        if debug:
+            raise
+        _fail(e)
+    finally:
+        if engine is not None and engine.pool is not None:
+            from hybrid_engine.pool import down
+
+            down(engine.cfg.ray.pool_name, stop_head=False)
+    if differ:
+        raise typer.Exit(1)
+
+
 pool_app = typer.Typer(help="The persistent Ray worker pool.")
 app.add_typer(pool_app, name="pool")
 PoolName = Annotated[str, typer.Option("--pool", help="ray.pool_name of the pool")]
@@ -249,95 +367,6 @@ def pool_down(pool: PoolName = "default") -> None:
         return
     killed = down(pool)
     console.print(f"pool {pool!r}: stopped {len(killed)} worker(s) {killed}")
-
-
-runs_app = typer.Typer(help="Training runs as MLflow tracked them.")
-app.add_typer(runs_app, name="runs")
-TrackingUri = Annotated[
-    str | None,
-    typer.Option("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"),
-]
-Experiment = Annotated[str, typer.Option("--experiment", help="MLflow experiment")]
-
-
-def _fail(e: Exception) -> None:
-    """One red line naming the problem, exit status 1."""
-    console.print(f"[red]error:[/] {e}", soft_wrap=True)
-    raise typer.Exit(1) from None
-
-
-@runs_app.command("list")
-def runs_list(tracking_uri: TrackingUri = None, experiment: Experiment = "hybridrl") -> None:
-    """Every run: id, status, steps, last score and validation accuracy, start time."""
-    import datetime
-
-    from rich.table import Table
-
-    from storage.tracking import TrackingUnavailable, list_runs
-
-    try:
-        runs = list_runs(tracking_uri, experiment)
-    except TrackingUnavailable as e:
-        _fail(e)
-    if not runs:
-        console.print(f"no runs in MLflow experiment {experiment!r}")
-        return
-    table = Table(title=f"experiment {experiment!r}")
-    for col in ("run", "status", "steps", "score", "val/accuracy", "started", "mlflow run id"):
-        table.add_column(col)
-    for r in runs:
-        m = r.data.metrics
-        started = datetime.datetime.fromtimestamp(r.info.start_time / 1000)
-        table.add_row(
-            r.data.tags.get("hybridrl.run_id", r.info.run_name), r.info.status,
-            r.data.params.get("trainer.total_training_steps", "-"),
-            f"{m['critic/score/mean']:.3f}" if "critic/score/mean" in m else "-",
-            f"{m['val/accuracy']:.3f}" if "val/accuracy" in m else "-",
-            started.strftime("%Y-%m-%d %H:%M"), r.info.run_id,
-        )  # fmt: skip
-    console.print(table)
-
-
-@runs_app.command("show")
-def runs_show(run_id: str, tracking_uri: TrackingUri = None,
-              experiment: Experiment = "hybridrl") -> None:  # fmt: skip
-    """One run: tags (storage, checkpoint, Prefect flow run) and its last metrics."""
-    from storage.tracking import TrackingUnavailable, find_run
-
-    try:
-        run = find_run(tracking_uri, run_id, experiment)
-    except (LookupError, TrackingUnavailable) as e:
-        _fail(e)
-    console.print(f"[bold]{run_id}[/]  {run.info.status}  mlflow run {run.info.run_id}")
-    for k, v in sorted(run.data.tags.items()):
-        if k.startswith(("hybridrl.", "prefect.")):
-            console.print(f"  {k:<24} {v}")
-    for k, v in sorted(run.data.metrics.items()):
-        console.print(f"  {k:<40} {v:.4g}")
-
-
-@runs_app.command("compare")
-def runs_compare(run_a: str, run_b: str, tracking_uri: TrackingUri = None,
-                 experiment: Experiment = "hybridrl") -> None:  # fmt: skip
-    """Two runs side by side: the config keys that differ, then their last metrics."""
-    from rich.table import Table
-
-    from storage.tracking import TrackingUnavailable, compare, find_run, ui_hint
-
-    try:
-        a, b = (find_run(tracking_uri, r, experiment) for r in (run_a, run_b))
-    except (LookupError, TrackingUnavailable) as e:
-        _fail(e)
-    params, metrics = compare(a, b)
-    for title, rows in (("config differences", params), ("last metrics", metrics)):
-        table = Table(title=title)
-        for col in ("key", run_a, run_b):
-            table.add_column(col)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-    hint = ui_hint(tracking_uri, [a.info.run_id, b.info.run_id], a.info.experiment_id)
-    console.print(f"MLflow UI: {hint}", soft_wrap=True)
 
 
 @app.command()

@@ -33,21 +33,14 @@ from typing import Any
 from prefect import State, flow, get_run_logger
 from prefect.states import Cancelled
 
-from hybrid_engine.config import (
-    ConfigError,
-    HybridConfig,
-    config_from_dict,
-    flatten,
-    load_config,
-    redact,
-    redacted_keys,
-)
+from flows.opening import OpenedRun, open_run
+from hybrid_engine.config import HybridConfig, redact
 from hybrid_engine.pool import CallsAbandoned, WorkerLostError
 from hybrid_engine.staleness import rollout_version
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
 from storage.final import history
-from storage.store import RunStore, new_run_id, validate_run_id
+from storage.store import RunStore
 from storage.tracking import Tracker
 from tasks.checkpoint import checkpoint, finish, restore
 from tasks.progress import emit
@@ -55,6 +48,7 @@ from tasks.recovery import (
     CLOCK,
     Preempted,
     Recovery,
+    as_preempted,
     clean_up_after,
     driver_record,
     preemption,
@@ -62,20 +56,16 @@ from tasks.recovery import (
 )
 from tasks.stages import advantage, reward, rollout, update, validate
 
-# What a resumed run may change: where things live and run, not what is computed.
-RESUME_MAY_CHANGE = (
-    "storage.", "ray.", "pipeline.", "tracking.", "trainer.total_training_steps",
-    "trainer.num_threads", "trainer.reuse_freed_memory",
-    "trainer.backend", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
-)  # fmt: skip
-
 
 def flow_run_name() -> str:
     """The run id (a deployment run without one is named after its preset until it starts)."""
     from prefect.runtime import flow_run
 
     p = flow_run.parameters
-    return p.get("resume_from") or p.get("run_id") or f"{Path(p.get('config') or 'run').stem}-new"
+    if name := p.get("resume_from") or p.get("run_id"):
+        return name
+    return f"{(p.get('fork_from') or '').partition('@')[0]}-fork" if p.get("fork_from") else (
+        f"{Path(p.get('config') or 'run').stem}-new")  # fmt: skip
 
 
 @flow(name="train", flow_run_name=flow_run_name, log_prints=True)
@@ -84,20 +74,21 @@ def train(
     overrides: list[str] | None = None,
     run_id: str | None = None,
     resume_from: str | None = None,
+    fork_from: str | None = None,
 ) -> dict[str, Any] | State:
     """Train a policy from a YAML preset + dotted overrides, as run `run_id` (default
     `<preset>-<timestamp>`); or continue run `resume_from` where it stopped (its stored
-    config, plus the overrides a resume may change). With both `config` and `resume_from`
-    (a deployment that resumes itself), a run that does not exist yet is started.
+    config, plus the overrides a resume may change); or fork `fork_from` =
+    `PARENT@STEP/STAGE`: a new run `run_id` that takes the parent's stages before that
+    point and computes the rest with the overrides (`flows.opening`). With both `config`
+    and `resume_from` (a deployment that resumes itself), a run that does not exist yet is
+    started; `fork_from` with a `run_id` that is that fork already resumes it.
 
     A dead or hung worker is recovered from by itself (`tasks.recovery`); SIGTERM ends the
     flow run in state "Preempted" with every committed stage kept."""
     logger = get_run_logger()
-    if resume_from and config and not run_exists(config, overrides or [], resume_from):
-        logger.info("run %s does not exist yet: starting it from %s", resume_from, config)
-        run_id, resume_from = resume_from, None
-    resume = resume_from is not None
-    cfg, store = open_run(config, overrides or [], resume_from or run_id, resume)
+    opened = open_run(config, overrides or [], run_id, resume_from, fork_from)
+    cfg, store, resume = opened.cfg, opened.store, opened.resume
     name_flow_run(store.run_id)
     if resume:  # a SIGKILLed driver of this run may have left its Prefect server running
         doc = store.read_run() or {}
@@ -107,13 +98,13 @@ def train(
     track = None
     try:
         with preemption():
+            if opened.lineage:  # a new fork: recorded first (its stages are its parent's)
+                record_run(store, cfg, opened.lineage)
+                start_fork(opened)
             engine = start_engine(cfg, resume)
             rearm()  # connecting to Ray replaced the SIGTERM handler
-            if not resume:  # recorded once the run could start (a bad config leaves nothing)
-                store.write_run({"run_id": store.run_id,
-                                 "config": redact(cfg.model_dump(mode="json")),
-                                 "code_version": code_version(), "created_at": time.time(),
-                                 "driver": driver_record()})  # fmt: skip
+            if not resume and not opened.lineage:  # once the run could start (a bad config
+                record_run(store, cfg)  # leaves nothing)
             track = StepLog(cfg, store)
             with track:
                 while True:  # each pass: restore the weights, run what is not committed
@@ -123,7 +114,9 @@ def train(
                     except WorkerLostError as e:
                         track.recovered(recovery.handle(e, engine), recovery.count)
                         rearm()
-    except Preempted as e:
+    except (Preempted, Exception) as error:
+        if (e := as_preempted(error)) is None:
+            raise
         if cancelling():  # the SIGTERM was Prefect carrying out a cancellation
             return Cancelled(message=f"cancelled at {e}; `hybridrl resume {store.run_id}`")
         line = (f"preempted ({e}): every committed stage is kept, nothing is half-written; "
@@ -245,6 +238,32 @@ class RolloutsAhead:
         self.futures.clear()
 
 
+def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | None = None) -> None:
+    """run.json of a new run (a fork's with its lineage)."""
+    store.write_run({"run_id": store.run_id, "config": redact(cfg.model_dump(mode="json")),
+                     "code_version": code_version(), "created_at": time.time(),
+                     "driver": driver_record()} | ({"lineage": lineage} if lineage else {}))  # fmt: skip
+
+
+def start_fork(opened: OpenedRun) -> None:
+    """Say what a new fork takes from its parent; when it changes what updates read and no
+    inherited checkpoint is at its start, make that checkpoint first with the parent's
+    config (`tasks.replay.materialize`)."""
+    lin, logger = opened.lineage, get_run_logger()
+    changes = ", ".join(f"{k}={v}" for k, v in lin["overrides"].items()) or "no overrides"
+    logger.info("run %s: a fork of %s at %s, referencing %d steps and %d checkpoints of it (%s)",
+                opened.store.run_id, lin["parent"], lin["at"], len(lin["steps"]),
+                len(lin["checkpoints"]), changes)  # fmt: skip
+    if (version := lin.get("materialize")) is not None:
+        from tasks.replay import materialize
+
+        began = time.perf_counter()
+        materialize(Engine(opened.parent_cfg), opened.store, version)
+        logger.info("run %s: weights version %d of %s made with its config and saved as the "
+                    "fork's checkpoint step_%d (%.1f s)", opened.store.run_id, version,
+                    lin["parent"], version, time.perf_counter() - began)  # fmt: skip
+
+
 def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     """The engine. A pool found broken (left so by an earlier driver) is removed and created
     anew, once; the restore that follows loads the run's last checkpoint into it."""
@@ -282,11 +301,6 @@ def cancelling() -> bool:
     return state is not None and state.type == StateType.CANCELLING
 
 
-def run_exists(config: str, overrides: list[str], run_id: str) -> bool:
-    cfg = load_config(config, overrides)
-    return RunStore(cfg.storage, validate_run_id(run_id)).read_run() is not None
-
-
 # ----------------------------------------------------------------------------- helpers
 SAMPLE_METRICS = ("critic/score/", "critic/rewards/", "response_length/", "rollout_corr/")
 
@@ -308,6 +322,8 @@ class StepLog:
             self.tracker = Tracker.open(cfg, store, flow_run.id, code_version())
             self.run_id = self.tracker.run_id
             self.logged = self.tracker.logged_steps()
+            if store.lineage is not None:  # a fork logs its own steps; the parent has the rest
+                self.logged |= set(range(store.lineage.at.step))
 
     def step(self, step: int, metrics: dict[str, Any], stages: list[Any] = ()) -> None:
         """A step's metrics, its stage timeline, and at a validation the generations and
@@ -350,56 +366,12 @@ class StepLog:
     def __enter__(self) -> StepLog:
         return self
 
-    def __exit__(self, kind: type | None, *_: Any) -> None:
+    def __exit__(self, kind: type | None, error: BaseException | None, _: Any) -> None:
         if self.tracker is not None:
             status = "FINISHED" if kind is None else "FAILED"
-            if kind is not None and issubclass(kind, Preempted):
+            if kind is not None and as_preempted(error) is not None:
                 status = "KILLED"
             self.tracker.finish(status)
-
-
-def open_run(
-    config: str | None, overrides: list[str], run_id: str | None, resume: bool
-) -> tuple[HybridConfig, RunStore]:
-    """A new run: resolve its config (refusing a run id already used).
-    A resumed run: read its stored config, apply the overrides a resume may change."""
-    if resume:
-        if not run_id:
-            raise ConfigError("resume needs the run id")
-        where = load_config(None, [o for o in overrides if o.startswith("storage.")])
-        store = RunStore(where.storage, validate_run_id(run_id))
-        doc = store.read_run()
-        if doc is None:
-            raise FileNotFoundError(f"no run {run_id!r} under {where.storage.root}")
-        stored = config_from_dict(doc["config"])
-        cfg = config_from_dict(doc["config"], overrides)
-        if missing := redacted_keys(cfg):
-            raise ConfigError(
-                f"{', '.join(missing)}: secret values are not recorded with a run; give them "
-                "again (the whole map, e.g. HYBRIDRL_RAY__WORKER_ENV='{...}' or an override)"
-            )
-        a, b = flatten(stored), flatten(cfg)
-        changed = [k for k in b if a.get(k) != b[k] and not k.startswith(RESUME_MAY_CHANGE)]
-        if changed:
-            raise ConfigError(
-                f"resume cannot change {', '.join(changed)} (it would change what the run "
-                f"computes); start a new run instead"
-            )
-        return cfg, RunStore(cfg.storage, run_id)
-    cfg = load_config(config, overrides)
-    cfg.trainer.run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
-    store = RunStore(cfg.storage, cfg.trainer.run_id)
-    refuse_existing(store)
-    return cfg, store
-
-
-def refuse_existing(store: RunStore) -> None:
-    """A new run may not take the id of a run that exists."""
-    if store.read_run() is not None:
-        raise FileExistsError(
-            f"run {store.run_id!r} already exists in {store.cfg.root}: resume it with "
-            f"`hybridrl resume {store.run_id}` or choose another trainer.run_id"
-        )
 
 
 def task_options(cfg: HybridConfig) -> dict[str, Any]:

@@ -10,6 +10,9 @@
       latest.json                  last committed (step, stage) and last checkpoint
       final/                       the trained policy (HF safetensors + tokenizer), summary.json
 
+A fork (`storage.lineage`) holds only what it computed itself; the stages and checkpoints it
+inherits are read from its parent's objects, which its run.json references by their sums.
+
 A stage is written object by object, then committed by one `COMMITTED` object holding the
 sha256 of every object (one PUT on S3; write-then-rename on a local disk). Readers trust
 only committed stages and check every object against its sum: a half-written stage is
@@ -39,6 +42,7 @@ from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 from hybrid_engine.config import StorageConfig
 from hybrid_engine.sharding import NO_SPACE
 from storage.faults import fault_point
+from storage.lineage import Lineage
 
 log = logging.getLogger("hybridrl.storage")
 
@@ -170,6 +174,7 @@ class RunStore:
         if self.local:
             self.url = self.path = os.path.abspath(self.path)
         self._latest: dict[str, Any] | None = None
+        self._lineage: Lineage | None | bool = False  # False: run.json not read yet
 
     # ------------------------------------------------------------- objects
     def uri(self, rel: str) -> str:
@@ -239,19 +244,36 @@ class RunStore:
         self.put_json(f"{rel_dir}/{MARKER}", doc)
         return self.uri(rel_dir)
 
-    def marker(self, rel_dir: str) -> dict[str, Any] | None:
-        """The marker of a committed directory (None if there is none or it is unreadable)."""
+    def _own_marker(self, rel_dir: str) -> dict[str, Any] | None:
         try:
             doc = self.get_json(f"{rel_dir}/{MARKER}")
         except json.JSONDecodeError:
             return None
         return doc if doc and isinstance(doc.get("files"), dict) else None
 
+    def locate(self, rel_dir: str) -> RunStore:
+        """The store whose objects a committed directory is: this run's own, or for a fork
+        the ancestor's it inherits them from (this run when neither holds it)."""
+        if self._own_marker(rel_dir) is not None or self.lineage is None:
+            return self
+        source = self.lineage.source(rel_dir)
+        return self if source is None else source.locate(rel_dir)
+
+    def marker(self, rel_dir: str) -> dict[str, Any] | None:
+        """The marker of a committed directory, own or inherited (None if there is none or
+        it is unreadable)."""
+        if (doc := self._own_marker(rel_dir)) is not None or self.lineage is None:
+            return doc
+        source = self.lineage.source(rel_dir)
+        return None if source is None else source.marker(rel_dir)
+
     def read_committed(self, rel_dir: str) -> tuple[dict[str, bytes], dict[str, Any]] | None:
         """Every object of a committed directory, checked against its sum. None when the
         directory is not committed, or when an object is missing or corrupted (warned)."""
-        doc = self.marker(rel_dir)
+        doc = self._own_marker(rel_dir)
         if doc is None:
+            if self.lineage is not None and (source := self.lineage.source(rel_dir)):
+                return source.read_committed(rel_dir)
             return None
         out = {}
         for name, want in doc["files"].items():
@@ -300,7 +322,7 @@ class RunStore:
         batch = None
         if TENSORS_FILE in objects:
             batch = Batch.from_bytes(objects[TENSORS_FILE], objects[JSON_FILE])
-        return Stage(batch, json.loads(objects["meta.json"]), self.uri(d))
+        return Stage(batch, json.loads(objects["meta.json"]), self.locate(d).uri(d))
 
     def is_committed(self, step: int, stage: str) -> bool:
         """Marker present (objects not checked: `load_stage` does that)."""
@@ -320,27 +342,30 @@ class RunStore:
         self.set_latest(checkpoint=step)
         return uri
 
-    def checkpoints(self) -> list[int]:
-        """Steps with a committed checkpoint, oldest first."""
+    def checkpoints(self, own: bool = False) -> list[int]:
+        """Steps with a committed checkpoint, oldest first (with `own`, a fork's own only)."""
         try:
             names = self.fs.ls(self._p("checkpoints"), detail=False)
         except FileNotFoundError:
-            return []
-        steps = []
+            names = []
+        steps = set()
         for n in names:
             m = re.fullmatch(r"step_(\d+)", n.rstrip("/").rsplit("/", 1)[-1])
             if m and self.exists(f"checkpoints/{m.group(0)}/{MARKER}"):
-                steps.append(int(m.group(1)))
+                steps.add(int(m.group(1)))
+        if not own and self.lineage is not None:
+            steps |= {int(c) for c in self.lineage.checkpoints
+                      if self.lineage.source(self.checkpoint_dir(int(c))) is not None}  # fmt: skip
         return sorted(steps)
 
     def checkpoint_files(self, step: int) -> tuple[dict[str, str], dict[str, Any]] | None:
         """(files and sums, meta) of a committed checkpoint; the meta is checked here, the
-        weight files by the workers that read them."""
+        weight files by the workers that read them (at `locate(checkpoint_dir(N))`)."""
         d = self.checkpoint_dir(step)
         doc = self.marker(d)
         if doc is None:
             return None
-        data = self.get(f"{d}/meta.json")
+        data = self.locate(d).get(f"{d}/meta.json")
         if sha256(data) != doc["files"].get("meta.json"):
             log.warning("%s/meta.json: sha256 differs from the committed one", self.uri(d))
             return None
@@ -353,8 +378,9 @@ class RunStore:
         self.remove(d)
 
     def prune_checkpoints(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` committed checkpoints (0 = keep all)."""
-        steps = self.checkpoints()
+        """Delete all but the newest `keep` committed checkpoints of this run's own (0 = keep
+        all; a fork's inherited ones are its parent's)."""
+        steps = self.checkpoints(own=True)
         dropped = steps[:-keep] if keep else []
         for s in dropped:
             self.drop_checkpoint(s)
@@ -366,6 +392,15 @@ class RunStore:
 
     def write_run(self, doc: dict[str, Any]) -> None:
         self.put_json("run.json", doc)
+        self._lineage = False
+
+    @property
+    def lineage(self) -> Lineage | None:
+        """A fork's reference to its parent (None for a run that is not a fork)."""
+        if self._lineage is False:
+            doc = (self.read_run() or {}).get("lineage")
+            self._lineage = Lineage(self, doc) if doc else None
+        return self._lineage
 
     def read_latest(self) -> dict[str, Any] | None:
         return self.get_json("latest.json")

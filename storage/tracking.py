@@ -95,6 +95,10 @@ class Tracker:
             run_id = cls._create(client, cfg, uri, store)
             store.write_run({**run_doc, "mlflow_run_id": run_id, "mlflow_tracking_uri": uri})
         tags = {"hybridrl.code_version": code_version}
+        if lineage := run_doc.get("lineage"):  # a fork: the UI nests it under its parent
+            tags |= {"hybridrl.parent": lineage["parent"], "hybridrl.fork_at": lineage["at"]}
+            if lineage.get("parent_mlflow_run_id"):
+                tags["mlflow.parentRunId"] = lineage["parent_mlflow_run_id"]
         if flow_run_id:
             tags["prefect.flow_run_id"] = flow_run_id
         if cfg.trainer.backend == "ray":
@@ -279,6 +283,34 @@ def compare(a: Any, b: Any) -> tuple[list[tuple[str, str, str]], list[tuple[str,
              or k in ("timing_s/step", "perf/peak_rss_gb")]  # fmt: skip
     metrics = [(k, _fmt(ma.get(k)), _fmt(mb.get(k))) for k in shown]
     return params, metrics
+
+
+def fork_point(a: Any, b: Any) -> tuple[int, str] | None:
+    """(the fork step, "a" or "b" the fork) when one run is the other's fork."""
+    for fork, parent, which in ((a, b, "a"), (b, a, "b")):
+        tags = fork.data.tags
+        if tags.get("hybridrl.parent") == parent.data.tags.get("hybridrl.run_id") and (
+                at := tags.get("hybridrl.fork_at")):  # fmt: skip
+            return int(at.split("/")[0]), which
+    return None
+
+
+CURVE_KEYS = ("critic/score/mean", "val/accuracy")
+
+
+def curves_from(uri: str | None, a: Any, b: Any, first: int,
+                keys: tuple[str, ...] = CURVE_KEYS) -> list[tuple[str, ...]]:  # fmt: skip
+    """Rows (step, a's and b's value of each key) for the steps from `first` on that either
+    run logged: the two curves side by side."""
+    client = client_for(uri)
+    values: dict[int, dict[str, float]] = {}
+    for i, run in enumerate((a, b)):
+        for key in keys:
+            for m in client.get_metric_history(run.info.run_id, key):
+                if m.step >= first:
+                    values.setdefault(m.step, {})[f"{i}:{key}"] = m.value
+    return [(str(step), *(_fmt(values[step].get(f"{i}:{k}")) for k in keys for i in (0, 1)))
+            for step in sorted(values)]  # fmt: skip
 
 
 def ui_hint(uri: str | None, run_ids: list[str], experiment_id: str) -> str:

@@ -56,14 +56,20 @@ def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> StageRe
             f"checkpoint of step {step}: the rollouts of steps {missing} use weights older "
             "than it holds and must be committed first (trainer.max_staleness)"
         )
+    uri = save_checkpoint(engine, store, step)
+    store.prune_checkpoints(keep)
+    return StageResult("checkpoint", step, uri, False, 0.0, {})
+
+
+def save_checkpoint(engine: Engine, store: RunStore, step: int) -> str:
+    """The trained roles' state and the KL coefficient as checkpoint step_N, committed."""
+    d = store.checkpoint_dir(step)
     files: dict[str, str] = {}
     for name, role in _roles(engine).items():
         saved = role.save(store.uri(f"{d}/{name}"), _options(engine, store))
         files |= {f"{name}/{f}": sha for f, sha in saved.items()}
     meta = {"step": step, "weights_version": step, "kl_coef": engine.kl_ctrl.value}
-    uri = store.commit_checkpoint(step, files, meta)
-    store.prune_checkpoints(keep)
-    return StageResult("checkpoint", step, uri, False, 0.0, {})
+    return store.commit_checkpoint(step, files, meta)
 
 
 def last_committed_update(store: RunStore) -> int:
@@ -90,9 +96,30 @@ def rollouts_missing(store: RunStore, version: int, t: Any, verify: bool = True)
     return [s for s in range(version + 1, last + 1) if not ok(s)]
 
 
+def load_checkpoint(engine: Engine, store: RunStore, step: int) -> bool:
+    """Load checkpoint step_N (a fork's may be its parent's) into the trained roles and the
+    KL controller; False when it is not committed or a file fails its sha256 (warned)."""
+    got = store.checkpoint_files(step)
+    if got is None:
+        return False
+    files, meta = got
+    d = store.checkpoint_dir(step)
+    try:
+        for name, role in _roles(engine).items():
+            mine = {f.split("/", 1)[1]: sha for f, sha in files.items()
+                    if f.startswith(f"{name}/")}  # fmt: skip
+            role.load(store.locate(d).uri(f"{d}/{name}"), _options(engine, store), mine)
+    except CorruptObject as e:
+        log.warning("checkpoint step_%d is unusable (%s)", step, e)
+        return False
+    engine.kl_ctrl.value = meta["kl_coef"]
+    return True
+
+
 def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
     """Make the engine hold the weights of the last committed update U; return the first
-    step to run and what was done. A warm pool that holds U of this run is kept as is;
+    step to run and what was done. A warm pool that holds U of this run (or, for a fork, of
+    an ancestor before the fork point) is kept as is;
     otherwise the newest readable checkpoint C <= U is loaded (the flow then replays the
     updates C+1..U from their stored batches), or, without one, fresh weights are taken.
     Asynchronous training goes on from a version V only if the rollouts that use older
@@ -102,7 +129,11 @@ def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
     done = last_committed_update(store)
     t = engine.cfg.trainer
     version, owner = engine.actor.weights_version, engine.actor.weights_run
-    if version == done and (done == 0 or owner == store.run_id):
+    if version == done and (
+        done == 0
+        or owner == store.run_id
+        or (store.lineage is not None and store.lineage.same_weights(owner, version))
+    ):
         if not (missing := rollouts_missing(store, done, t)):
             return max(done, 1), f"the engine holds weights version {done}: nothing to load"
         log.info("the engine holds version %d, but the rollouts of steps %s need older "
@@ -112,20 +143,8 @@ def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
             log.info("checkpoint step_%d: the rollouts of steps %s are not committed and need "
                      "older weights; trying an older one", step, missing)  # fmt: skip
             continue
-        got = store.checkpoint_files(step)
-        if got is None:
+        if not load_checkpoint(engine, store, step):
             continue
-        files, meta = got
-        try:
-            for name, role in _roles(engine).items():
-                mine = {f.split("/", 1)[1]: sha for f, sha in files.items()
-                        if f.startswith(f"{name}/")}  # fmt: skip
-                role.load(store.uri(f"{store.checkpoint_dir(step)}/{name}"),
-                          _options(engine, store), mine)  # fmt: skip
-        except CorruptObject as e:
-            log.warning("checkpoint step_%d is unusable (%s); trying an older one", step, e)
-            continue
-        engine.kl_ctrl.value = meta["kl_coef"]
         return step + 1, (
             f"loaded checkpoint step_{step} (the engine held version {version}); "
             f"replaying {done - step} committed update(s) from storage"

@@ -193,6 +193,7 @@ def preemption() -> Iterator[None]:
         return
 
     def on_term(signum: int, frame: Any) -> None:
+        _term_at[:] = [CLOCK.where or "start-up"]
         STOPPING.set()  # a rollout waited for in another thread gives up
         critical.pending = True
         if not critical.depth:
@@ -200,6 +201,7 @@ def preemption() -> Iterator[None]:
             raise Preempted(f"SIGTERM at {CLOCK.where or 'start-up'}")
 
     STOPPING.clear()
+    _term_at.clear()
     before = signal.signal(signal.SIGTERM, on_term)
     critical.on_exit = _raise_pending
     _armed.append(on_term)
@@ -212,6 +214,18 @@ def preemption() -> Iterator[None]:
 
 
 _armed: list[Any] = []
+_term_at: list[str] = []  # where the SIGTERM of this `preemption()` block arrived
+
+
+def as_preempted(e: BaseException) -> Preempted | None:
+    """`e` as the preemption it is: Preempted itself, or the error Prefect's engine made of
+    it when the SIGTERM landed inside the engine's own code (a task run's state handling
+    raises e.g. "Task run is not set"); None when no SIGTERM arrived."""
+    if isinstance(e, Preempted):
+        return e
+    if _term_at:
+        return Preempted(f"SIGTERM at {_term_at[0]} ({type(e).__name__} in Prefect's engine)")
+    return None
 
 
 def rearm() -> None:

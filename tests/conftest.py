@@ -57,8 +57,9 @@ def s3_endpoint():
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, prefect_api):
-    """The uninterrupted 4-step run of the pipeline tests (local storage, in-process roles)."""
+def reference_run(tmp_path_factory, prefect_api):
+    """The uninterrupted 4-step run of the pipeline tests (local storage, in-process roles):
+    (storage root, its final state). Forks of it live beside it (tests/test_fork.py)."""
     from runs import ARGS, driver, final_state, fs_for
 
     root = str(tmp_path_factory.mktemp("ref"))
@@ -66,4 +67,10 @@ def reference(tmp_path_factory, prefect_api):
                       "--run-id", "ref"], prefect_api)  # fmt: skip
     assert rc == 0, out
     assert "(from storage" not in out  # nothing to skip in a fresh run
-    return final_state(fs_for(root, None), f"{root}/ref")
+    return root, final_state(fs_for(root, None), f"{root}/ref")
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run):
+    """The reference run's final weights and per-step metrics."""
+    return reference_run[1]

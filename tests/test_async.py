@@ -199,6 +199,43 @@ def test_killed_at_each_point_of_the_overlap_and_resumed_is_exact(
     assert_same_run(final_state(fs, run_url), async_reference[1])
 
 
+@pytest.mark.parametrize("stage", ["rollout", "reward"])
+def test_a_fork_of_an_asynchronous_run_is_its_parent_and_keeps_every_prompt_once(
+    stage, prefect_api, ray_env, async_reference
+):
+    """A fork at 3/rollout regenerates step 3's rollout, which uses weights version 1: the
+    checkpoint of step 2 cannot serve it (`rollouts_missing`), the fork replays updates 1-2
+    from fresh weights. A fork at 3/reward goes on from that checkpoint. Both end as their
+    parent did, every prompt of the data order consumed once across inherited and own steps."""
+    from hybrid_engine.config import StorageConfig
+    from hybrid_engine.data import PromptData
+    from storage.store import RunStore
+
+    run_dir, reference, _ = async_reference
+    root, run_id = str(run_dir.parent), f"fork-{stage}"
+    rc, out = driver(["fork", "ref", "--at", f"3/{stage}", "--run-id", run_id,
+                      f"storage.root={root}", "tracking.enabled=false"], prefect_api,
+                     extra_env=ray_env)  # fmt: skip
+    assert rc == 0, out
+    how = "fresh weights, replaying 2" if stage == "rollout" else "loaded checkpoint step_2"
+    assert how in out, out
+    assert_same_run(final_state(fs_for(root, None), f"{root}/{run_id}"), reference)
+    store = RunStore(StorageConfig(root=root), run_id)
+    consumed = [(p["epoch"], r) for n in range(1, STEPS + 1)
+                for p in store.load_stage(n, "rollout").meta["prompts"] for r in p["rows"]]  # fmt: skip
+    data = PromptData(load_config("configs/grpo_tiny.yaml", ARGS).data)
+    assert consumed == [(e, r) for n in range(1, STEPS + 1)
+                        for e, rows in [data.step_indices(n)] for r in rows]  # fmt: skip
+
+
+def test_an_asynchronous_fork_at_a_rollout_may_not_change_what_updates_read(async_reference,
+                                                                           prefect_api):  # fmt: skip
+    root = str(async_reference[0].parent)
+    rc, out = driver(["fork", "ref", "--at", "3/rollout", f"storage.root={root}",
+                      "actor.optim.lr=1e-2"], prefect_api)  # fmt: skip
+    assert rc == 1 and "applies the parent's updates 2..2 again" in out, out
+
+
 def test_a_dead_rollout_replica_and_a_dead_trainer_are_recovered_exactly(
     tmp_path, prefect_api, ray_env, async_reference
 ):

@@ -1,0 +1,226 @@
+"""How a `train` flow run finds its run: a new one, one to resume, or a fork of another.
+
+    new      the preset + overrides; the run id must be free
+    resume   the run's stored config + the overrides a resume may change (where things run)
+    fork     the parent's stored config + overrides that change only what the fork computes
+             itself: the stages it inherits (`storage.lineage`) read the parent's values
+
+A fork at `N/STAGE` keeps every step before N and the stages of step N before STAGE, so it
+may not change what those stages read (`STAGE_READS`), nor what every step reads
+(`RUN_IDENTITY`: the data, the model, the seed). Anything else it may change: a fork at
+`20/advantage` may switch `algorithm.adv_estimator` or `actor.optim.lr`, not
+`rollout.temperature`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_engine.config import (
+    ConfigError,
+    HybridConfig,
+    config_from_dict,
+    flatten,
+    load_config,
+    redacted_keys,
+)
+from storage.lineage import STAGES, ForkPoint, fork_manifest
+from storage.store import RunStore, new_run_id, validate_run_id
+
+# What a resumed run may change: where things live and run, not what is computed.
+RESUME_MAY_CHANGE = (
+    "storage.", "ray.", "pipeline.", "tracking.", "trainer.total_training_steps",
+    "trainer.num_threads", "trainer.reuse_freed_memory",
+    "trainer.backend", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
+)  # fmt: skip
+
+# What every stage of every step reads: the prompts and their order, the model, the seed.
+RUN_IDENTITY = ("data.", "model.", "trainer.seed", "actor.lora.", "critic.model_path")
+
+# The config keys (prefixes) each stage's output depends on. `update` is never inherited
+# by the step a fork starts at, so it needs no entry.
+STAGE_READS: dict[str, tuple[str, ...]] = {
+    "rollout": (
+        "rollout.",
+        "trainer.max_staleness",
+        "algorithm.filter_groups.",
+        "actor.layout.rollout.",
+    ),
+    "reward": ("reward.",),
+    "advantage": (
+        "algorithm.",
+        "ref.",
+        "actor.ppo_epochs",
+        "actor.ppo_mini_batch_size",
+        "actor.use_kl_loss",
+    ),
+}
+UPDATE_READS = ("actor.", "critic.")  # what an update reads (the inherited ones too)
+
+
+@dataclass
+class OpenedRun:
+    cfg: HybridConfig
+    store: RunStore
+    resume: bool
+    lineage: dict[str, Any] | None = None  # a new fork's reference to its parent
+    parent_cfg: HybridConfig | None = None  # a new fork's parent's config, run where it runs
+
+
+def open_run(
+    config: str | None, overrides: list[str], run_id: str | None,
+    resume_from: str | None = None, fork_from: str | None = None,
+) -> OpenedRun:  # fmt: skip
+    """The run a flow run is for. With both `config` and `resume_from` (a deployment that
+    resumes itself), a run that does not exist yet is started; with `fork_from` and a
+    `run_id` that is already that fork, the fork is resumed."""
+    if resume_from and config and not run_exists(overrides, resume_from, config):
+        run_id, resume_from = resume_from, None
+    if fork_from:
+        parent, at = parse_fork_from(fork_from)
+        if run_id and (doc := stored_run(overrides, run_id)) is not None:
+            lin = doc.get("lineage") or {}
+            if (lin.get("parent"), lin.get("at")) != (parent, str(at)):
+                raise FileExistsError(f"run {run_id!r} exists and is not the fork {fork_from}")
+            resume_from = run_id
+        else:
+            return open_fork(parent, at, overrides, run_id)
+    if resume_from:
+        cfg = resumed_config(resume_from, overrides)
+        return OpenedRun(cfg, RunStore(cfg.storage, resume_from), resume=True)
+    cfg = load_config(config, overrides)
+    cfg.trainer.run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
+    store = RunStore(cfg.storage, cfg.trainer.run_id)
+    refuse_existing(store)
+    return OpenedRun(cfg, store, resume=False)
+
+
+def _where(overrides: list[str]) -> HybridConfig:
+    return load_config(None, [o for o in overrides if o.startswith("storage.")])
+
+
+def stored_run(overrides: list[str], run_id: str) -> dict[str, Any] | None:
+    return RunStore(_where(overrides).storage, validate_run_id(run_id)).read_run()
+
+
+def run_exists(overrides: list[str], run_id: str, config: str | None = None) -> bool:
+    where = load_config(config, overrides) if config else _where(overrides)
+    return RunStore(where.storage, validate_run_id(run_id)).read_run() is not None
+
+
+def _stored_config(store: RunStore, overrides: list[str]) -> tuple[HybridConfig, HybridConfig]:
+    """(the run's stored config, the same with `overrides`); refuses a deleted run."""
+    doc = store.read_run()
+    if doc is None:
+        raise FileNotFoundError(f"no run {store.run_id!r} under {store.cfg.root}")
+    if doc.get("deleted"):
+        raise FileNotFoundError(f"run {store.run_id!r} was deleted (`hybridrl runs delete`); "
+                                "only the objects its forks use are kept")  # fmt: skip
+    cfg = config_from_dict(doc["config"], overrides)
+    if missing := redacted_keys(cfg):
+        raise ConfigError(
+            f"{', '.join(missing)}: secret values are not recorded with a run; give them "
+            "again (the whole map, e.g. HYBRIDRL_RAY__WORKER_ENV='{...}' or an override)"
+        )
+    return config_from_dict(doc["config"]), cfg
+
+
+def resumed_config(run_id: str, overrides: list[str]) -> HybridConfig:
+    """A resumed run's stored config with the overrides a resume may change."""
+    store = RunStore(_where(overrides).storage, validate_run_id(run_id))
+    stored, cfg = _stored_config(store, overrides)
+    a, b = flatten(stored), flatten(cfg)
+    changed = [k for k in b if a.get(k) != b[k] and not k.startswith(RESUME_MAY_CHANGE)]
+    if changed:
+        raise ConfigError(
+            f"resume cannot change {', '.join(changed)} (it would change what the run "
+            f"computes); start a new run, or fork it (`hybridrl fork`)"
+        )
+    return cfg
+
+
+def parse_fork_from(text: str) -> tuple[str, ForkPoint]:
+    """`RUN_ID@STEP/STAGE` -> (run id, fork point)."""
+    run_id, sep, at = text.partition("@")
+    if not sep:
+        raise ValueError(f"fork_from={text!r}: write RUN_ID@STEP/STAGE, e.g. demo-1@20/advantage")
+    return validate_run_id(run_id), ForkPoint.parse(at)
+
+
+def refused_fork_changes(parent: HybridConfig, fork: HybridConfig, at: ForkPoint) -> list[str]:
+    """The keys a fork at `at` changes but may not, each with the reason."""
+    reads = {p: "every step reads it" for p in RUN_IDENTITY}
+    inherited = [s for s in STAGES if at.inherits(at.step, s)]
+    for stage in inherited:
+        why = f"step {at.step}'s {stage} stage, which the fork takes from its parent, read it"
+        reads |= dict.fromkeys(STAGE_READS[stage], why)
+        if stage == "rollout" and parent.algorithm.filter_groups.enabled:
+            reads["reward."] = why + " (dynamic sampling scores inside the rollout)"
+    a, b = flatten(parent), flatten(fork)
+    out = []
+    for key in sorted(b):
+        if a.get(key) == b[key] or key.startswith(RESUME_MAY_CHANGE) or key == "trainer.run_id":
+            continue
+        for prefix, why in reads.items():
+            if key == prefix or key.startswith(prefix) and prefix.endswith("."):
+                out.append(f"{key} ({why})")
+                break
+    if "rollout" in inherited and fork.greedy_baseline and not parent.greedy_baseline:
+        out.append(f"algorithm.adv_estimator={fork.algorithm.adv_estimator} (it needs greedy "
+                   f"baselines, which step {at.step}'s inherited rollout did not generate)")  # fmt: skip
+    if fork.use_critic and not parent.use_critic:
+        out.append(f"algorithm.adv_estimator={fork.algorithm.adv_estimator} (it needs a critic, "
+                   "which the parent did not train up to the fork point)")  # fmt: skip
+    return out
+
+
+def open_fork(parent_id: str, at: ForkPoint, overrides: list[str],
+              run_id: str | None) -> OpenedRun:  # fmt: skip
+    """A new fork of `parent_id` at `at`: the parent's config with `overrides`, checked
+    (`refused_fork_changes`), and the lineage record its run.json will hold."""
+    parent = RunStore(_where(overrides).storage, parent_id)
+    stored, cfg = _stored_config(parent, overrides)
+    if refused := refused_fork_changes(stored, cfg, at):
+        raise ConfigError(f"a fork at {at} cannot change " + "; ".join(refused))
+    if cfg.storage.root != parent.cfg.root:
+        raise ConfigError(f"storage.root: a fork lives beside its parent ({parent.cfg.root}); "
+                          "it references the parent's objects, it does not copy them")  # fmt: skip
+    cfg.trainer.run_id = validate_run_id(run_id or f"{parent_id}-fork-{at.step}-{at.stage}")
+    store = RunStore(cfg.storage, cfg.trainer.run_id)
+    refuse_existing(store)
+    changed = {k: v for k, v in flatten(cfg).items()
+               if flatten(stored).get(k) != v and k != "trainer.run_id"}  # fmt: skip
+    lineage = fork_manifest(parent, at) | {"overrides": {k: str(v) for k, v in changed.items()}}
+    start = start_version(at, cfg.trainer.max_staleness)
+    update_keys = [k for k in changed if k.startswith(UPDATE_READS)]
+    if update_keys and start < at.step - 1:
+        raise ConfigError(
+            f"a fork at {at} cannot change {', '.join(update_keys)}: with "
+            f"trainer.max_staleness={cfg.trainer.max_staleness} it starts from weights version "
+            f"{start} and applies the parent's updates {start + 1}..{at.step - 1} again, which "
+            "need the parent's values (fork at a later stage or step)"
+        )
+    inherited = max([int(c) for c in lineage["checkpoints"] if int(c) <= start], default=0)
+    if update_keys and inherited < start:  # its start, made with the parent's values
+        lineage["materialize"] = start
+    where = [f"{k}={json.dumps(v)}" for k, v in changed.items() if k.startswith(RESUME_MAY_CHANGE)]
+    parent_cfg = config_from_dict(parent.read_run()["config"], where)
+    return OpenedRun(cfg, store, resume=False, lineage=lineage, parent_cfg=parent_cfg)
+
+
+def start_version(at: ForkPoint, max_staleness: int) -> int:
+    """The weights version a fork at `at` goes on from: N-1; with asynchronous training the
+    newest V whose later rollouts V+1..V+k it inherits (`tasks.checkpoint.rollouts_missing`)."""
+    last_inherited_rollout = at.step - (at.stage == "rollout")
+    return max(0, min(at.step - 1, last_inherited_rollout - max_staleness))
+
+
+def refuse_existing(store: RunStore) -> None:
+    """A new run may not take the id of a run that exists."""
+    if store.read_run() is not None:
+        raise FileExistsError(
+            f"run {store.run_id!r} already exists in {store.cfg.root}: resume it with "
+            f"`hybridrl resume {store.run_id}` or choose another trainer.run_id"
+        )
