@@ -4,6 +4,8 @@
     hybridrl resume RUN_ID [storage.root=...]    continue a run where it stopped
     hybridrl fork RUN_ID --at STEP/STAGE [...]   a new run from another's stored stages
     hybridrl replay RUN_ID STEP/STAGE | --all    recompute stored stages, compare (audit)
+    hybridrl evaluate NAME/VERSION | --run-id R  greedy acc, pass@k, maj@k; promotion gate
+    hybridrl register RUN_ID [--step N]          a policy into MLflow's Model Registry
     hybridrl runs list|show RUN|compare A B      runs as MLflow tracked them
     hybridrl runs tree RUN | delete RUN          a run's forks; delete what no fork uses
     hybridrl pool status [--pool NAME]           the persistent workers: version, role, RSS
@@ -122,6 +124,9 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
         if "val/accuracy" in rows:
             console.print(f"final val/accuracy: {rows['val/accuracy']:.3f}")
         console.print(f"final policy: {result['uri']}")
+        if result.get("registered"):
+            console.print(f"registered as {result['registered']['model']} in MLflow's "
+                          "Model Registry")  # fmt: skip
         if result.get("pool"):
             console.print(
                 f"worker pool {result['pool']!r} stays up for the next run "
@@ -299,6 +304,11 @@ def replay(
     if differ:
         raise typer.Exit(1)
 
+
+from flows import cli_models  # noqa: E402 - the registry commands, in their own module
+
+app.command("evaluate")(cli_models.evaluate)
+app.command("register")(cli_models.register)
 
 pool_app = typer.Typer(help="The persistent Ray worker pool.")
 app.add_typer(pool_app, name="pool")

@@ -6,7 +6,9 @@
        deployment and the key, before anything is created)
     3. the process work pool each deployment names exists (created if missing)
     4. `prefect deploy` with HYBRIDRL_HOME set to this checkout, where the worker will run
-       the flow (the yaml's `pull` step changes into it)
+       the flow (the yaml's `pull` step changes into it); each deployment's `triggers`
+       become Prefect automations (a preempted training resumes itself; a finished training
+       that registered its policy gets evaluated by `evaluate-on-finish`)
 
 It returns the deployments it deployed (name, schedules); the CLI prints the next commands.
 """
@@ -67,11 +69,18 @@ def read_deployments(path: Path, names: list[str]) -> list[dict[str, Any]]:
     chosen = [by_name[n] for n in names] if names else found
     for d in chosen:
         params = d.get("parameters") or {}
+        if "config" not in params:  # not a training: nothing to check here
+            continue
         try:
             load_config(str(ROOT / params["config"]), params.get("overrides") or [])
         except (ConfigError, KeyError, OSError) as e:
             raise DeployError(f"deployment {d['name']!r}: {e}") from None
     return chosen
+
+
+def flow_name(deployment: dict[str, Any]) -> str:
+    """The Prefect flow name of a deployment's entrypoint (`flows/train.py:train` -> train)."""
+    return deployment["entrypoint"].rsplit(":", 1)[1]
 
 
 def ensure_pools(deployments: list[dict[str, Any]]) -> list[str]:
@@ -105,7 +114,7 @@ def deploy(names: list[str], path: Path = DEFAULT_FILE) -> dict[str, Any]:
         tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
         raise DeployError("prefect deploy failed: " + " | ".join(tail))
     return {"api_url": url, "pools_created": created, "home": str(ROOT),
-            "deployments": [{"name": f"train/{d['name']}", "pool": d["work_pool"]["name"],
+            "deployments": [{"name": f"{flow_name(d)}/{d['name']}", "pool": d["work_pool"]["name"],
                              "schedules": [s.get("cron") or s.get("interval") or s.get("rrule")
                                            for s in d.get("schedules") or []]}
                             for d in chosen]}  # fmt: skip

@@ -54,6 +54,7 @@ from tasks.recovery import (
     preemption,
     rearm,
 )
+from tasks.registry import announce, register_final
 from tasks.stages import advantage, reward, rollout, update, validate
 
 
@@ -172,18 +173,33 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
             if last or (t.test_freq and step % t.test_freq == 0):
                 metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
             track.step(step, metrics, [rolled, scored, advantaged, done])
-            if last or (t.save_freq and step % t.save_freq == 0):  # once the rollouts that
+            if checkpoint_due(store, step, t):  # once the rollouts that
                 older = ahead.results(step + 1, step + ahead.k)  # use older weights are in
                 saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep,
                                     wait_for=[done, *older])  # fmt: skip
                 track.tags({"hybridrl.checkpoint": saved.uri})
+                if not saved.skipped:
+                    announce("hybridrl.checkpoint.committed", store.run_id, step=step,
+                             uri=saved.uri)  # fmt: skip
             fault_point(f"step-{step}:end")
             line = step_line(step, metrics, [rolled, scored, advantaged, done])
             logger.info(line)
             emit("step_finished", step=step, metrics=metrics, line=line)
     result = finish(engine, store, wait_for=[done] if done else None)
     track.tags({"hybridrl.final": result["uri"]})
-    return result | {"step_wall_s": step_wall_s}
+    try:  # the final policy as a model version; the run is done whatever happens here
+        registered = register_final(engine.cfg, store)
+    except Exception as e:
+        logger.warning("the final policy was not registered (%s: %s); `hybridrl register %s` "
+                       "does it later", type(e).__name__, e, store.run_id)  # fmt: skip
+        registered = None
+    if registered:
+        track.tags({"hybridrl.model_version": registered["model"]})
+        logger.info("final policy registered as %s", registered["model"])
+    announce("hybridrl.run.finished", store.run_id, {"hybridrl.registered": str(bool(registered)).lower()},
+             run_id=store.run_id, storage_root=store.cfg.root, final=result["uri"],
+             tracking_uri=track.tracker.uri if track.tracker else None, **(registered or {}))  # fmt: skip
+    return result | {"step_wall_s": step_wall_s, "registered": registered}
 
 
 class RolloutsAhead:
@@ -236,6 +252,14 @@ class RolloutsAhead:
             with contextlib.suppress(Exception, CallsAbandoned):  # the steps' error goes on
                 future.wait()
         self.futures.clear()
+
+
+def checkpoint_due(store: RunStore, step: int, t: Any) -> bool:
+    """Every trainer.save_freq steps and at the end; a fork does not save its parent's
+    steps again (it inherits the parent's checkpoints)."""
+    if store.lineage is not None and step < store.lineage.at.step:
+        return False
+    return step == t.total_training_steps or bool(t.save_freq and step % t.save_freq == 0)
 
 
 def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | None = None) -> None:

@@ -414,6 +414,15 @@ class RunStore:
         self.put_json("latest.json", self._latest)
 
     # ----------------------------------------------------------------- final
+    def local_dir(self, rel: str, scratch: str) -> str:
+        """A local directory with the files under `rel`: the directory itself on a local
+        disk, else a copy made under `scratch`."""
+        if self.local:
+            return self._p(rel)
+        target = os.path.join(scratch, rel)
+        self.fs.get(self._p(rel) + "/", target + "/", recursive=True)
+        return target
+
     def put_dir(self, local_dir: str, rel: str) -> dict[str, str]:
         """Upload a local directory's files (and its folders' files) under `rel`; returns
         {path relative to `rel`: sha256}."""

@@ -1,6 +1,8 @@
 """The scheduled-training journey, for real: `deployments/prefect.yaml` deployed to a real
 Prefect server, a process work pool and worker, `prefect deployment run ... --watch` of a
-2-step tiny training, and the run found in a real MLflow server through its REST API. Then a
+2-step tiny training, and the run found in a real MLflow server through its REST API; the
+run's `hybridrl.run.finished` event runs the `evaluate-on-finish` deployment by itself (the
+automation `hybridrl deploy` created), which makes the registered version `champion`. Then a
 deployment run preempted (SIGTERM to its process) resumes itself: the deployment's trigger
 on the "Preempted" state runs it again with resume_from = the run id."""
 
@@ -59,6 +61,9 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         assert "deployed train/grpo-tiny-nightly on pool 'hybridrl': cron 0 3 * * *" in made.stdout
         listed = prefect("deployment", "ls")
         assert "train/grpo-tiny-nightly" in listed and "train/demo-cpu-weekly" in listed
+        assert "evaluate/evaluate-on-finish" in listed
+        automations = prefect("automation", "ls")
+        assert "evaluate-on-finish" in automations, automations
         # the resumed run gets the deployment's parameters: storage and tracking come from
         # the worker's environment, as on a real worker machine
         worker_env = {**env, "HYBRIDRL_STORAGE__ROOT": f"{tmp_path}/runs",
@@ -68,7 +73,8 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True)  # fmt: skip
         overrides = ["trainer.total_training_steps=2", f"storage.root={tmp_path}/runs",
-                     f"tracking.uri={mlflow_url}", "reward.function=reward_fns:length_score"]  # fmt: skip
+                     f"tracking.uri={mlflow_url}", "reward.function=reward_fns:length_score",
+                     "registry.min_format_rate=0", "registry.max_clip_ratio=1"]  # fmt: skip
         out = prefect("deployment", "run", "train/grpo-tiny-nightly", "--param",
                       f"overrides={json.dumps(overrides)}", "--param", "run_id=scheduled-1",
                       "--watch", timeout=600)  # fmt: skip
@@ -89,6 +95,29 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         assert metrics["critic/score/mean"]["step"] == 2 and "actor/pg_loss" in metrics
         tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
         assert tags["prefect.flow_run_id"] and tags["hybridrl.final"].endswith("final")
+        assert tags["hybridrl.model_version"] == "hybridrl-policy/1"
+
+        # the finished run's event -> the automation -> the evaluate deployment's flow run
+        states = wait_for_states(prefect_api, "eval-hybridrl-policy-1", "Completed", 600)
+        assert "Completed" in states, states
+        req = urllib.request.Request(f"{mlflow_url}/api/2.0/mlflow/registered-models/alias"
+                                     "?name=hybridrl-policy&alias=champion")  # fmt: skip
+        version = json.loads(urllib.request.urlopen(req).read())["model_version"]
+        assert version["version"] == "1"
+        version_tags = {t["key"]: t["value"] for t in version["tags"]}
+        assert version_tags["hybridrl.run_id"] == "scheduled-1"
+        assert version_tags["hybridrl.promotion"].startswith("champion: accuracy")
+        assert "eval.accuracy" in version_tags and "eval.maj_at_4" in version_tags
+        body = json.dumps({"filter": {"event": {"prefix": ["hybridrl."]},
+                                      "resource": {"id": ["hybridrl.run.scheduled-1"]}},
+                           "limit": 50}).encode()  # fmt: skip
+        req = urllib.request.Request(f"{prefect_api}/events/filter", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        events = json.loads(urllib.request.urlopen(req).read())["events"]
+        got = sorted((e["event"], e["payload"].get("step") or e["payload"].get("model"))
+                     for e in events)  # fmt: skip
+        assert got == [("hybridrl.checkpoint.committed", 2),
+                       ("hybridrl.run.finished", "hybridrl-policy/1")], got  # fmt: skip
 
         # preempted in step 2's reward stage (the fault is this flow run's own environment)
         fault = json.dumps({"HYBRIDRL_FAULT": "step-2/reward:start=term"})

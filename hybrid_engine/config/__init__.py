@@ -20,6 +20,7 @@ from hybrid_engine.config.base import ConfigError, KLKind, LossAggMode, OptimCon
 from hybrid_engine.config.infra import (
     PipelineConfig,
     RayConfig,
+    RegistryConfig,
     StorageConfig,
     TrackingConfig,
     TrainerConfig,
@@ -56,7 +57,7 @@ __all__ = [
     "ActorConfig", "ActorLayout", "AlgorithmConfig", "ConfigError", "CriticConfig",
     "DataConfig", "HybridConfig", "KLControlConfig", "KLKind", "LossAggMode", "ModelConfig", "MultiTurnConfig",
     "OptimConfig", "PipelineConfig", "RayConfig", "RefConfig", "RewardConfig", "RolloutConfig",
-    "RolloutLayout", "Section", "StorageConfig", "TinyModelConfig", "TrackingConfig",
+    "RegistryConfig", "RolloutLayout", "Section", "StorageConfig", "TinyModelConfig", "TrackingConfig",
     "TrainerConfig", "ValSamplingConfig", "config_from_dict", "config_reference", "flatten",
     "import_plugins", "load_config", "parse_overrides", "redact", "redacted_keys",
 ]  # fmt: skip

@@ -112,6 +112,38 @@ class TrackingConfig(Section):
     )
 
 
+class RegistryConfig(Section):
+    """The MLflow Model Registry: the final policy as a model version, its evaluation
+    (`hybridrl evaluate`, the `evaluate` flow) and the promotion gate for the alias
+    `champion`."""
+
+    register_final: bool = Field(
+        True, description="register final/ as a version of model_name when the run ends "
+        "(needs tracking.enabled)",
+    )  # fmt: skip
+    model_name: str = Field("hybridrl-policy", min_length=1, description="registered model name")
+    eval_k: int = Field(4, ge=1, description="samples per held-out question for pass@k, maj@k")
+    promotion_margin: float = Field(
+        0.01, description="accuracy a version must add to the champion's to take the alias"
+    )
+    min_format_rate: float = Field(
+        0.5, ge=0, le=1, description="share of greedy responses with an extractable final "
+        "answer a version needs to be promoted",
+    )  # fmt: skip
+    min_length_ratio: float = Field(
+        0.5, ge=0, description="mean response length at least this times the champion's "
+        "(else collapsed)",
+    )  # fmt: skip
+    max_length_ratio: float = Field(
+        2.0, gt=0, description="mean response length at most this times the champion's "
+        "(else exploded)",
+    )  # fmt: skip
+    max_clip_ratio: float = Field(
+        0.5, ge=0, le=1, description="share of greedy responses cut at the token limit a "
+        "version may have",
+    )  # fmt: skip
+
+
 class PipelineConfig(Section):
     """The Prefect stage pipeline: retries of a stage task on a transient failure, and the
     recovery from dead or hung pool workers."""

@@ -13,6 +13,7 @@ from hybrid_engine.algorithms import estimator_needs
 from hybrid_engine.config.infra import (
     PipelineConfig,
     RayConfig,
+    RegistryConfig,
     StorageConfig,
     TrackingConfig,
     TrainerConfig,
@@ -55,6 +56,7 @@ class HybridConfig(BaseSettings):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,71 @@
+"""`hybridrl evaluate` and `hybridrl register`: policies in the MLflow Model Registry."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from flows.cli_runs import console, fail
+
+TrackingUri = Annotated[
+    str | None,
+    typer.Option("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"),
+]
+StorageRoot = Annotated[str | None, typer.Option("--storage-root", help="default: storage.root")]
+
+
+def evaluate(
+    model: Annotated[str | None, typer.Argument(help="NAME/VERSION or NAME@ALIAS")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="a run's policy instead")] = None,
+    step: Annotated[int | None, typer.Option(help="with --run-id: checkpoint step_N")] = None,
+    k: Annotated[int | None, typer.Option(help="samples per question (registry.eval_k)")] = None,
+    promote: Annotated[bool, typer.Option(help="a version: run the promotion gate")] = True,
+    storage_root: StorageRoot = None,
+    tracking_uri: TrackingUri = None,
+) -> None:
+    """Evaluate a registered version (or a run's final policy / checkpoint) on its run's
+    held-out questions: greedy accuracy, pass@k, maj@k, lengths, format. Logged to MLflow;
+    a version then takes the alias `champion` if it beats the champion by
+    registry.promotion_margin and passes the sanity checks, else it is tagged with why not."""
+    from flows.evaluate import evaluate as evaluate_flow
+
+    try:
+        got = evaluate_flow(model=model, run_id=run_id, step=step, k=k, promote=promote,
+                            storage_root=storage_root, tracking_uri=tracking_uri)  # fmt: skip
+    except Exception as e:
+        fail(e)
+    console.print(f"[bold]{got['evaluated']}[/]")
+    for key, value in got["metrics"].items():
+        console.print(f"  {key:<28} {value:.3f}")
+    if "why" in got:
+        console.print(("[green]" if got["promoted"] else "[yellow]") + got["why"] + "[/]")
+
+
+def register(
+    run_id: Annotated[str, typer.Argument(help="the run")],
+    step: Annotated[int | None, typer.Option(help="checkpoint step_N (default: final/)")] = None,
+    storage_root: StorageRoot = None,
+) -> None:
+    """Register a run's final policy, or one of its checkpoints, as a version of
+    registry.model_name in MLflow's Model Registry (with the run, step and metrics as tags)."""
+    try:
+        from flows.opening import resumed_config
+        from storage.store import RunStore
+        from tasks.registry import register_checkpoint, register_final
+
+        cfg = resumed_config(run_id, [f"storage.root={storage_root}"] if storage_root else [])
+        store = RunStore(cfg.storage, run_id)
+        if step is None:
+            got = register_final.fn(cfg, store)
+            if got is None:
+                raise ValueError(f"run {run_id}: tracking.enabled or registry.register_final "
+                                 "is false")  # fmt: skip
+            name = got["model"]
+        else:
+            v = register_checkpoint(cfg, store, step)
+            name = f"{v.name}/{v.version}"
+    except Exception as e:
+        fail(e)
+    console.print(f"registered as [bold]{name}[/]: load it with "
+                  f"mlflow.transformers.load_model('models:/{name}')")  # fmt: skip
