@@ -66,7 +66,6 @@ class OpenedRun:
     store: RunStore
     resume: bool
     lineage: dict[str, Any] | None = None  # a new fork's reference to its parent
-    parent_cfg: HybridConfig | None = None  # a new fork's parent's config, run where it runs
 
 
 def open_run(
@@ -205,9 +204,17 @@ def open_fork(parent_id: str, at: ForkPoint, overrides: list[str],
     inherited = max([int(c) for c in lineage["checkpoints"] if int(c) <= start], default=0)
     if update_keys and inherited < start:  # its start, made with the parent's values
         lineage["materialize"] = start
-    where = [f"{k}={json.dumps(v)}" for k, v in changed.items() if k.startswith(RESUME_MAY_CHANGE)]
-    parent_cfg = config_from_dict(parent.read_run()["config"], where)
-    return OpenedRun(cfg, store, resume=False, lineage=lineage, parent_cfg=parent_cfg)
+    return OpenedRun(cfg, store, resume=False, lineage=lineage)
+
+
+def parent_config(store: RunStore, cfg: HybridConfig) -> HybridConfig:
+    """A fork's parent's config, run where the fork runs (the fork's `storage.*`, `ray.*`,
+    ... where they differ): what the fork's start checkpoint is made with."""
+    stored = store.lineage.parent.read_run()["config"]
+    a = flatten(config_from_dict(stored))
+    where = [f"{k}={json.dumps(v)}" for k, v in flatten(cfg).items()
+             if a.get(k) != v and k.startswith(RESUME_MAY_CHANGE)]  # fmt: skip
+    return config_from_dict(stored, where)
 
 
 def start_version(at: ForkPoint, max_staleness: int) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 from prefect import State, flow, get_run_logger
 from prefect.states import Cancelled
 
-from flows.opening import OpenedRun, open_run
+from flows.opening import open_run
 from hybrid_engine.config import HybridConfig, redact
 from hybrid_engine.pool import CallsAbandoned, WorkerLostError
 from hybrid_engine.staleness import rollout_version
@@ -65,8 +65,9 @@ def flow_run_name() -> str:
     p = flow_run.parameters
     if name := p.get("resume_from") or p.get("run_id"):
         return name
-    return f"{(p.get('fork_from') or '').partition('@')[0]}-fork" if p.get("fork_from") else (
-        f"{Path(p.get('config') or 'run').stem}-new")  # fmt: skip
+    if fork := p.get("fork_from"):
+        return f"{fork.partition('@')[0]}-fork"
+    return f"{Path(p.get('config') or 'run').stem}-new"
 
 
 @flow(name="train", flow_run_name=flow_run_name, log_prints=True)
@@ -101,7 +102,9 @@ def train(
         with preemption():
             if opened.lineage:  # a new fork: recorded first (its stages are its parent's)
                 record_run(store, cfg, opened.lineage)
-                start_fork(opened)
+                log_fork(store, opened.lineage)
+            if store.lineage is not None:  # new or resumed: its start checkpoint, if due
+                materialize_start(store, cfg)
             engine = start_engine(cfg, resume)
             rearm()  # connecting to Ray replaced the SIGTERM handler
             if not resume and not opened.lineage:  # once the run could start (a bad config
@@ -269,23 +272,30 @@ def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | Non
                      "driver": driver_record()} | ({"lineage": lineage} if lineage else {}))  # fmt: skip
 
 
-def start_fork(opened: OpenedRun) -> None:
-    """Say what a new fork takes from its parent; when it changes what updates read and no
-    inherited checkpoint is at its start, make that checkpoint first with the parent's
-    config (`tasks.replay.materialize`)."""
-    lin, logger = opened.lineage, get_run_logger()
-    changes = ", ".join(f"{k}={v}" for k, v in lin["overrides"].items()) or "no overrides"
-    logger.info("run %s: a fork of %s at %s, referencing %d steps and %d checkpoints of it (%s)",
-                opened.store.run_id, lin["parent"], lin["at"], len(lin["steps"]),
-                len(lin["checkpoints"]), changes)  # fmt: skip
-    if (version := lin.get("materialize")) is not None:
-        from tasks.replay import materialize
+def log_fork(store: RunStore, lineage: dict[str, Any]) -> None:
+    """What a new fork takes from its parent and what it changes."""
+    changes = ", ".join(f"{k}={v}" for k, v in lineage["overrides"].items()) or "no overrides"
+    get_run_logger().info("run %s: a fork of %s at %s, referencing %d steps and %d checkpoints "
+                          "of it (%s)", store.run_id, lineage["parent"], lineage["at"],
+                          len(lineage["steps"]), len(lineage["checkpoints"]), changes)  # fmt: skip
 
-        began = time.perf_counter()
-        materialize(Engine(opened.parent_cfg), opened.store, version)
-        logger.info("run %s: weights version %d of %s made with its config and saved as the "
-                    "fork's checkpoint step_%d (%.1f s)", opened.store.run_id, version,
-                    lin["parent"], version, time.perf_counter() - began)  # fmt: skip
+
+def materialize_start(store: RunStore, cfg: HybridConfig) -> None:
+    """A fork that changes what updates read and inherits no checkpoint at its start gets
+    that checkpoint made first, with its parent's config (`tasks.replay.materialize`);
+    again on a resume if a kill came first (nothing to do once it has any checkpoint of
+    its own at or past that version)."""
+    version = store.lineage.doc.get("materialize")
+    if version is None or any(c >= version for c in store.checkpoints(own=True)):
+        return
+    from flows.opening import parent_config
+    from tasks.replay import materialize
+
+    began = time.perf_counter()
+    materialize(Engine(parent_config(store, cfg)), store, version)
+    get_run_logger().info("run %s: weights version %d of %s made with its config and saved as "
+                          "the fork's checkpoint step_%d (%.1f s)", store.run_id, version,
+                          store.lineage.parent.run_id, version, time.perf_counter() - began)  # fmt: skip
 
 
 def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
