@@ -26,8 +26,7 @@ from hybrid_engine.trainer import Engine
 from storage.store import RunStore
 from storage.tracking import client_for
 from storage.tracking import tracking_uri as default_tracking_uri
-
-LOCAL = ["trainer.backend=local", "trainer.max_staleness=0", "ray.rollout=colocated"]
+from tasks.registry import IN_PROCESS
 
 
 def eval_run_name() -> str:
@@ -99,7 +98,7 @@ def resolve_version(client: Any, model: str) -> Any:
 def policy_engine(doc: dict, store: RunStore, version: Any, step: int | None, tmp: str,
                   tracking: str) -> tuple[HybridConfig, Engine, str]:  # fmt: skip
     """An in-process engine on the run's config holding the policy to evaluate."""
-    overrides = [*LOCAL, f"storage.root={store.cfg.root}"]
+    overrides = [*IN_PROCESS, f"storage.root={store.cfg.root}"]
     if version is not None:  # the registered policy, loaded back through MLflow
         from storage.registry import load
 

@@ -22,6 +22,8 @@ from storage.final import FINAL, history
 from storage.store import RunStore
 
 log = logging.getLogger("hybridrl.registry")
+# a run's config, run in this process (an asynchronous or pool run's policy evaluated here)
+IN_PROCESS = ["trainer.backend=local", "trainer.max_staleness=0", "ray.rollout=colocated"]
 
 
 def _registered(cfg: HybridConfig, store: RunStore, source: str, step: int) -> Any | None:
@@ -68,9 +70,8 @@ def register_checkpoint(cfg: HybridConfig, store: RunStore, step: int) -> Any:
     source = store.checkpoint_dir(step)
     if (version := _registered(cfg, store, source, step)) is not None:
         return version
-    local = config_from_dict(store.read_run()["config"], [
-        "trainer.backend=local", "trainer.max_staleness=0", "ray.rollout=colocated",
-        f"storage.root={store.cfg.root}"])  # fmt: skip
+    local = config_from_dict(store.read_run()["config"],
+                             [*IN_PROCESS, f"storage.root={store.cfg.root}"])  # fmt: skip
     engine = Engine(local)
     if not load_checkpoint(engine, store, step):
         raise FileNotFoundError(f"run {store.run_id} has no usable checkpoint step_{step}")
