@@ -32,7 +32,7 @@ from storage.store import RunStore, new_run_id, validate_run_id
 # What a resumed run may change: where things live and run, not what is computed.
 RESUME_MAY_CHANGE = (
     "storage.", "ray.", "pipeline.", "tracking.", "registry.", "trainer.total_training_steps",
-    "trainer.num_threads", "trainer.reuse_freed_memory",
+    "trainer.num_threads", "trainer.reuse_freed_memory", "trainer.deterministic",
     "trainer.backend", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
 )  # fmt: skip
 

@@ -12,7 +12,7 @@ import ray
 import torch
 
 from hybrid_engine.config import HybridConfig, import_plugins
-from hybrid_engine.models import load_tokenizer
+from hybrid_engine.models import load_tokenizer, set_determinism
 from hybrid_engine.ray_cluster import PoolError, _free_port
 from hybrid_engine.replica import RolloutReplica
 from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
@@ -79,6 +79,7 @@ class Worker:
         from hybrid_engine.sharding import init_group
 
         torch.set_num_threads(threads)
+        set_determinism(self.cfg.trainer.deterministic, self.cfg.device)
         backend = "gloo"
         if self.cfg.device == "cuda":  # Ray exposes this worker's GPU as device 0
             torch.cuda.set_device(0)

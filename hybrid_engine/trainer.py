@@ -30,7 +30,7 @@ from hybrid_engine.config import HybridConfig
 from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.dynamic_sampling import dynamic_rollout
 from hybrid_engine.envs import make_environment
-from hybrid_engine.models import load_tokenizer
+from hybrid_engine.models import load_tokenizer, set_determinism
 from hybrid_engine.multiturn import (
     conversation_text,
     multi_turn_metrics,
@@ -72,6 +72,7 @@ class Engine:
         self.cfg = cfg
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
+        set_determinism(cfg.trainer.deterministic, cfg.device)
         if cfg.trainer.reuse_freed_memory:
             reuse_freed_memory()
         self.tokenizer = load_tokenizer(cfg.model)

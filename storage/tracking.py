@@ -14,10 +14,12 @@ pool.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import time
+import urllib.parse
 from typing import Any
 
 import yaml
@@ -313,11 +315,17 @@ def curves_from(uri: str | None, a: Any, b: Any, first: int,
             for step in sorted(values)]  # fmt: skip
 
 
-def ui_hint(uri: str | None, run_ids: list[str], experiment_id: str) -> str:
-    """Where to look at runs in the MLflow UI."""
+def ui_hint(uri: str | None, run_ids: list[str], experiment_id: str,
+            keys: tuple[str, ...] = CURVE_KEYS) -> str:  # fmt: skip
+    """Where to look at runs in the MLflow UI: its metric page with `keys` of every run
+    overlaid by step (the compare-runs page opens on a parallel-coordinates plot)."""
     uri = uri or tracking_uri(HybridConfig())
-    ids = ",".join(f'"{r}"' for r in run_ids)
-    page = f'#/compare-runs?runs=[{ids}]&experiments=["{experiment_id}"]'
+
+    def q(value: object) -> str:
+        return urllib.parse.quote(json.dumps(value, separators=(",", ":")))
+
+    page = (f"#/metric?runs={q(run_ids)}&metric={q(keys[0])}&experiments={q([experiment_id])}"
+            f"&plot_metric_keys={q(list(keys))}&x_axis=step&show_point=true")  # fmt: skip
     if uri.startswith("http"):
         return f"{uri.rstrip('/')}/{page}"
     return f"`mlflow ui --backend-store-uri {uri} --port 5000`, then http://127.0.0.1:5000/{page}"

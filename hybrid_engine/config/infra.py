@@ -39,6 +39,13 @@ class TrainerConfig(Section):
     )  # fmt: skip
     run_id: str | None = Field(None, description="None = <preset>-<timestamp>")
     num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
+    deterministic: bool = Field(
+        True,
+        description="torch.use_deterministic_algorithms (warn only where an op has no "
+        "deterministic kernel): with 2 threads on CPU the SmolLM2 update was otherwise not "
+        "bit-reproducible across processes (1 update in ~6 came out in one of two roundings); "
+        "no measurable cost there",
+    )
     reuse_freed_memory: bool = Field(
         True,
         description="keep freed memory in the process (glibc: no mmap, no trim, one arena) "
