@@ -83,9 +83,9 @@ def resolve_model_path(path: str, key: str = "model.path") -> Path:
 
 def set_determinism(on: bool, device: str) -> None:
     """torch's deterministic kernels where an op has them (`trainer.deterministic`); an op
-    without one warns instead of failing. On two CPU threads the SmolLM2 update otherwise
-    came out, about one update in six, in one of two roundings depending on the run: an
-    accumulation whose order follows the threads' timing. cuBLAS needs a fixed workspace."""
+    without one warns instead of failing. On two CPU threads some SmolLM2 updates otherwise
+    came out in one of two roundings depending on the process: an accumulation whose order
+    follows the threads' timing. cuBLAS needs a fixed workspace for its deterministic mode."""
     if on and device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(on, warn_only=True)
