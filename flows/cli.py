@@ -259,7 +259,7 @@ def replay(
     try:
         from flows.opening import resumed_config
         from hybrid_engine.trainer import Engine
-        from storage.store import RunStore
+        from storage.store import RunStore, check_reach
         from tasks.replay import STAGE_ORDER, Replayer, audit_run
 
         where = [f"storage.root={storage_root}"] if storage_root else []
@@ -273,6 +273,8 @@ def replay(
                 raise ValueError(f"{at!r}: write STEP/STAGE, STAGE one of {', '.join(STAGE_ORDER)}")
         began = time.perf_counter()
         engine = Engine(cfg)
+        if engine.pool is not None:
+            check_reach(cfg.storage, engine.pool.nodes())
         table = Table(title=f"replay of {run_id}")
         for col in ("stage", "result", "seconds"):
             table.add_column(col)
@@ -306,6 +308,9 @@ def replay(
 
 
 from flows import cli_models  # noqa: E402 - the registry commands, in their own module
+from flows.cli_cluster import cluster_app  # noqa: E402
+
+app.add_typer(cluster_app, name="cluster")
 
 app.command("evaluate")(cli_models.evaluate)
 app.command("register")(cli_models.register)

@@ -40,7 +40,7 @@ from hybrid_engine.staleness import rollout_version
 from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
 from storage.final import history
-from storage.store import RunStore
+from storage.store import RunStore, check_reach
 from storage.tracking import Tracker
 from tasks.checkpoint import checkpoint, finish, restore
 from tasks.progress import emit
@@ -302,14 +302,17 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     """The engine. A pool found broken (left so by an earlier driver) is removed and created
     anew, once; the restore that follows loads the run's last checkpoint into it."""
     try:
-        return Engine(cfg, reset_pool=not resume)
+        engine = Engine(cfg, reset_pool=not resume)
     except WorkerLostError as e:
         get_run_logger().warning("pool %r is broken (%s): removing it and starting a new one",
                                  cfg.ray.pool_name, e)  # fmt: skip
         from hybrid_engine.pool import down
 
         down(cfg.ray.pool_name, stop_head=False)
-        return Engine(cfg, reset_pool=not resume)
+        engine = Engine(cfg, reset_pool=not resume)
+    if engine.pool is not None:
+        check_reach(cfg.storage, engine.pool.nodes())
+    return engine
 
 
 def name_flow_run(run_id: str) -> None:

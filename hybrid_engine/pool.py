@@ -31,11 +31,12 @@ import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from hybrid_engine import placement
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 from hybrid_engine.models import load_tokenizer
-from hybrid_engine.pool_worker import RemoteWorker, group_plan, pool_spec
+from hybrid_engine.pool_worker import GROUPS, RemoteWorker, group_plan, pool_spec
 from hybrid_engine.proxy import RoleProxy
 from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's interface
     PoolError,
@@ -306,7 +307,13 @@ class Pool:
         plan = group_plan(cfg)
         processes = sum(ranks for ranks, _ in plan.values())
         threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // processes)
-        groups = {}
+        groups, pgs = {}, {}
+        try:  # each group's ranks reserved first: a pool that cannot be placed is said so
+            for g, (ranks, _) in plan.items():
+                pgs[g] = placement.reserve(cfg, g, ranks, r.start_timeout_s)
+        except BaseException:
+            placement.release(cfg.ray.pool_name, list(plan))
+            raise
         for g, (ranks, roles) in plan.items():
             # a single rank keeps freed memory like the local backend (bench/memory.py, SmolLM2:
             # step 15.6 -> 14.7 s, +0.08 GB); FSDP ranks do not: it grew them 2.5 -> 4.3 GB
@@ -317,6 +324,7 @@ class Pool:
                     name=f"{g}-{rank}", namespace=ns, lifetime="detached",
                     num_cpus=r.num_cpus_per_rank, num_gpus=r.num_gpus_per_rank,
                     runtime_env={"env_vars": env},
+                    scheduling_strategy=placement.strategy(pgs[g], rank),
                 ).remote(cfg, g, rank, ranks, roles)
                 for rank in range(ranks)
             ]  # fmt: skip
@@ -338,6 +346,12 @@ class Pool:
 
     def status(self) -> list[dict]:
         return [i for g in self.groups.values() for i in g.info()]
+
+    def nodes(self) -> set[str]:
+        """The Ray nodes that touch a run's storage: the workers' (checkpoints) and this
+        driver's (stage state)."""
+        workers = {i["node_id"] for i in self.status() if i.get("node_id")}
+        return workers | {ray.get_runtime_context().get_node_id()}
 
     def reset(self) -> None:
         """Fresh weights and optimizers in every worker (a new run on a warm pool)."""
@@ -389,6 +403,7 @@ def down(pool_name: str, stop_head: bool = True) -> list[str]:
     deadline = time.monotonic() + 30
     while find_workers(pool_name) and time.monotonic() < deadline:  # names are released
         time.sleep(0.1)
+    placement.release(pool_name, sorted({n.rsplit("-", 1)[0] for n in killed} | set(GROUPS)))
     others = [a for a in ray.util.list_named_actors(all_namespaces=True)
               if a["namespace"].startswith("hybridrl-") and a["namespace"] != ns]  # fmt: skip
     if stop_head and not others and not (os.environ.get("RAY_ADDRESS")):

@@ -13,6 +13,7 @@ import torch
 
 from hybrid_engine.config import HybridConfig, import_plugins
 from hybrid_engine.models import load_tokenizer, set_determinism
+from hybrid_engine.placement import RESOURCES_KEY
 from hybrid_engine.ray_cluster import PoolError, _free_port
 from hybrid_engine.replica import RolloutReplica
 from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
@@ -38,7 +39,12 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
         "rollout.name": cfg.rollout.name,
         "trainer.seed": cfg.trainer.seed,
         "resources": [cfg.ray.num_cpus_per_rank, cfg.ray.num_gpus_per_rank],
+        "placement": cfg.ray.placement,
+        "custom_resources": {g: getattr(cfg.ray, k) for g, k in RESOURCES_KEY.items()},
     }  # fmt: skip
+
+
+GROUPS = ("actor", "critic", "rm", "rollout")  # every group a pool can have
 
 
 def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
@@ -72,8 +78,9 @@ class Worker:
         self.error: str | None = None
 
     def address(self) -> str:
-        """Rank 0 hosts the group's rendezvous."""
-        return f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        """Rank 0 hosts the group's rendezvous, on its node's address (not the driver's)."""
+        ip = ray.util.get_node_ip_address()
+        return f"tcp://{ip}:{_free_port(ip)}"
 
     def setup(self, init_method: str, threads: int) -> dict:
         from hybrid_engine.sharding import init_group
@@ -140,7 +147,8 @@ class Worker:
         out = {
             "name": f"{self.group}-{self.rank}", "group": self.group, "rank": self.rank,
             "world": self.world, "roles": self.role_names, "pid": os.getpid(),
-            "node": ray.util.get_node_ip_address(), "rss_gb": mem / 1024**3,
+            "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(), "rss_gb": mem / 1024**3,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
             "healthy": bool(self.roles) and self.error is None, "error": self.error,
         }  # fmt: skip

@@ -1,7 +1,9 @@
 """The Ray cluster the pool runs on: an existing one (`ray.address` / `$RAY_ADDRESS`) or a
 local head started as a background process (`ray start --head` on 127.0.0.1), its address and
 temp dir recorded in `<state dir>/head.json` so that it and the actors on it outlive the
-driver that started it; `stop_local_head` ends it and every process it started."""
+driver that started it; `stop_local_head` ends it and every process it started.
+`add_local_node` gives that cluster more nodes on this machine (each its own raylet), for
+multi-node tests and benchmarks; `remove_local_node` stops one, gently or as a lost machine."""
 
 from __future__ import annotations
 
@@ -33,9 +35,9 @@ def state_dir() -> Path:
     return Path(os.environ.get("HYBRIDRL_RAY_STATE") or cache_dir() / "ray").expanduser()
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -102,18 +104,84 @@ def stop_local_head() -> bool:
     info = json.loads(state.read_text())
     if ray.is_initialized():
         ray.shutdown()
-    procs = _head_processes(info["temp_dir"])
+    for name in local_nodes():  # the nodes added to its cluster go with it
+        remove_local_node(name)
+    _end(_head_processes(info["temp_dir"]), kill=False)
+    shutil.rmtree(info["temp_dir"], ignore_errors=True)
+    state.unlink(missing_ok=True)
+    return True
+
+
+# ------------------------------------------------- more nodes of the local cluster
+def _nodes_dir() -> Path:
+    return state_dir() / "nodes"
+
+
+def local_nodes() -> dict[str, dict]:
+    """The nodes `add_local_node` started and recorded, by name."""
+    d = _nodes_dir()
+    return (
+        {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.is_dir() else {}
+    )
+
+
+def add_local_node(name: str, num_cpus: int, resources: dict[str, float],
+                   timeout_s: float = 120) -> dict:  # fmt: skip
+    """Another Ray node of the local head's cluster on this machine: its own raylet, object
+    store and workers (`hybrid_engine.ray_node`, ports of its own), offering `num_cpus` CPUs
+    and the custom `resources`. A real second node of the cluster's topology, sharing the
+    machine's cores and disk with the head."""
+    head = local_head(start=False)
+    if head is None:
+        raise PoolError("no local Ray head to add a node to (`hybridrl cluster up` starts one)")
+    if name in local_nodes():
+        raise PoolError(f"a local node named {name!r} exists; remove it first")
+    temp_dir = tempfile.mkdtemp(prefix=f"hrl-ray-{name}-", dir="/tmp")
+    ports = ("node_manager_port", "object_manager_port", "dashboard_agent_listen_port",
+             "metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")  # fmt: skip
+    config = {"name": name, "num_cpus": num_cpus, "resources": resources, "temp_dir": temp_dir,
+              "ports": {p: _free_port() for p in ports}}  # fmt: skip
+    env = {**os.environ, **RAY_ENV}
+    env.pop("HYBRIDRL_FAULT", None)
+    log = Path(temp_dir) / "start.log"  # a file, not a pipe: the raylet would hold a pipe open
+    with log.open("w") as out:
+        proc = subprocess.run([sys.executable, "-m", "hybrid_engine.ray_node", head,
+                               json.dumps(config)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout_s, start_new_session=True)  # fmt: skip
+    if proc.returncode != 0:
+        _end(_head_processes(temp_dir), kill=True)
+        text = log.read_text()[-2000:]
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise PoolError(f"node {name!r} did not start ({proc.returncode}):\n{text}")
+    info = {"name": name, "temp_dir": temp_dir, "num_cpus": num_cpus, "resources": resources}
+    _nodes_dir().mkdir(parents=True, exist_ok=True)
+    (_nodes_dir() / f"{name}.json").write_text(json.dumps(info))
+    return info
+
+
+def remove_local_node(name: str, kill: bool = False) -> bool:
+    """Stop a node `add_local_node` started: its raylet and everything it runs (the pool's
+    workers on it die with it). `kill` = SIGKILL at once, as a machine lost would; else
+    SIGTERM first. False if there is no such node."""
+    path = _nodes_dir() / f"{name}.json"
+    if not path.is_file():
+        return False
+    info = json.loads(path.read_text())
+    _end(_head_processes(info["temp_dir"]), kill)
+    shutil.rmtree(info["temp_dir"], ignore_errors=True)
+    path.unlink(missing_ok=True)
+    return True
+
+
+def _end(procs: list[psutil.Process], kill: bool) -> None:
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
     _, alive = psutil.wait_procs(procs, timeout=10)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     psutil.wait_procs(alive, timeout=5)
-    shutil.rmtree(info["temp_dir"], ignore_errors=True)
-    state.unlink(missing_ok=True)
-    return True
 
 
 def connect(cfg: HybridConfig, start: bool = True) -> str | None:

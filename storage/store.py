@@ -149,6 +149,19 @@ def check_storage(cfg: StorageConfig) -> None:
         ) from None
 
 
+def check_reach(cfg: StorageConfig, nodes: set[str]) -> None:
+    """Every Ray node that reads or writes the run (the driver's and the pool workers') must
+    see the same `storage.root`: a local directory is refused when they are several nodes,
+    unless `storage.shared_filesystem` says every node mounts it. One line naming the keys."""
+    if len(nodes) <= 1 or cfg.root.startswith("s3://") or cfg.shared_filesystem:
+        return
+    raise ValueError(
+        f"storage.root={cfg.root!r} is a local directory but the pool and this driver are on "
+        f"{len(nodes)} Ray nodes, which would each write their own: use s3://... or, if every "
+        "node mounts that path (NFS, Lustre, ...), set storage.shared_filesystem=true"
+    )
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -78,6 +78,10 @@ class StorageConfig(Section):
     retries: int = Field(
         4, ge=0, description="botocore retries of one S3 request (standard mode, with backoff)"
     )
+    shared_filesystem: bool = Field(
+        False, description="a local root is on a filesystem every Ray node mounts (NFS, "
+        "Lustre, ...): a pool across several nodes may use it",
+    )  # fmt: skip
 
     @model_validator(mode="before")
     @classmethod
@@ -207,6 +211,27 @@ class RayConfig(Section):
         "training needs it)",
     )  # fmt: skip
     rollout_dp: int = Field(1, ge=1, description="replicas of a separate rollout group")
+    placement: Literal["pack", "spread", "strict_spread"] = Field(
+        "pack", description="how each group's ranks are placed on the cluster's nodes (a Ray "
+        "placement group per group): pack = as few nodes as fit, spread = across nodes where "
+        "possible, strict_spread = every rank on its own node",
+    )  # fmt: skip
+    actor_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each actor rank needs, e.g. "
+        '{"trainer": 1} pins the actor group to nodes started with that resource',
+    )  # fmt: skip
+    critic_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each rank of a separate critic "
+        "group needs",
+    )  # fmt: skip
+    rollout_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each replica of a separate "
+        "rollout group needs",
+    )  # fmt: skip
+    reward_model_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each rank of a separate "
+        "reward-model group needs",
+    )  # fmt: skip
     call_timeout_s: float = Field(
         3600, gt=0, description="longest wait for one stage call (also the collective timeout)"
     )
@@ -218,3 +243,15 @@ class RayConfig(Section):
         "fragmenting the heap (SmolLM2, 2 FSDP ranks: peak RSS per rank 4.2 -> 2.8 GB, same "
         "step time; 128 KiB gives 2.1 GB but updates 40% slower)",
     )
+
+    @model_validator(mode="after")
+    def _custom_resources(self) -> RayConfig:
+        for field in ("actor", "critic", "rollout", "reward_model"):
+            for name, amount in getattr(self, f"{field}_resources").items():
+                if name in ("CPU", "GPU", "memory", "object_store_memory") or not name:
+                    raise ValueError(f"ray.{field}_resources: {name!r} is not a custom resource "
+                                     "(CPUs and GPUs per rank: ray.num_cpus_per_rank / "
+                                     "ray.num_gpus_per_rank)")  # fmt: skip
+                if amount <= 0:
+                    raise ValueError(f"ray.{field}_resources.{name}: {amount} must be > 0")
+        return self

@@ -1,0 +1,123 @@
+"""`hybridrl cluster ...`: the Ray cluster the pool runs on — its nodes, their resources and
+which pool workers sit where; and, on one machine, a local cluster of several nodes (a head
+plus nodes that are their own raylets) for multi-node tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from flows.cli_runs import console, fail
+
+cluster_app = typer.Typer(help="The Ray cluster: nodes, resources, where the pool's workers run.")
+
+
+def _connected() -> bool:
+    from hybrid_engine.config import load_config
+    from hybrid_engine.ray_cluster import connect
+
+    return connect(load_config(None, []), start=False) is not None
+
+
+def workers_by_node() -> dict[str, list[str]]:
+    """node id -> the pool workers on it (`<pool>/<worker>`), every hybridrl pool."""
+    import ray
+
+    from hybrid_engine.pool import pool_status
+
+    pools = sorted({a["namespace"].removeprefix("hybridrl-")
+                    for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["namespace"].startswith("hybridrl-")})  # fmt: skip
+    out: dict[str, list[str]] = {}
+    for pool in pools:
+        for w in pool_status(pool):
+            out.setdefault(w.get("node_id", "?"), []).append(f"{pool}/{w['name']}")
+    return out
+
+
+@cluster_app.command("status")
+def status() -> None:
+    """Each node: id, address, head or not, alive, CPUs and custom resources (free/total),
+    and the pool workers on it."""
+    import ray
+    from rich.table import Table
+
+    if not _connected():
+        console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
+        raise typer.Exit(1)
+    placed = workers_by_node()
+    table = Table(title=f"Ray cluster at {ray.get_runtime_context().gcs_address}")
+    for col in ("node", "address", "role", "state", "CPU free/total", "resources", "pool workers"):
+        table.add_column(col)
+    from ray._private.state import available_resources_per_node  # no public per-node call
+
+    free = available_resources_per_node()
+    for n in ray.nodes():
+        node_id, total = n["NodeID"], n["Resources"]
+        avail = free.get(node_id, {})
+        custom = {k: v for k, v in total.items() if k not in ("CPU", "GPU", "memory",
+                  "object_store_memory") and not k.startswith(("node:", "accelerator_type"))}  # fmt: skip
+        table.add_row(
+            node_id[:12], n["NodeManagerAddress"],
+            "head" if "node:__internal_head__" in total else "worker",
+            "alive" if n["Alive"] else "[red]dead[/]",
+            f"{avail.get('CPU', 0):g}/{total.get('CPU', 0):g}" if n["Alive"] else "-",
+            ", ".join(f"{k}={v:g}" for k, v in sorted(custom.items())) or "-",
+            ", ".join(placed.get(node_id, [])) or "-",
+        )  # fmt: skip
+    console.print(table)
+
+
+@cluster_app.command("up")
+def up(num_cpus: Annotated[int, typer.Option(help="CPUs the head offers")] = 16) -> None:
+    """Start the local Ray head (127.0.0.1) if none is running."""
+    from hybrid_engine.ray_cluster import local_head
+
+    try:
+        console.print(f"local head at {local_head(start=True, num_cpus=num_cpus)}")
+    except Exception as e:
+        fail(e)
+
+
+@cluster_app.command("add-node")
+def add_node(
+    name: Annotated[str, typer.Argument(help="a name for the node (its state file)")],
+    num_cpus: Annotated[int, typer.Option(help="CPUs the node offers")] = 1,
+    resources: Annotated[str, typer.Option(help='custom resources, JSON: {"trainer": 1}')] = "{}",
+) -> None:
+    """Add a node to the local head's cluster: its own raylet on this machine."""
+    from hybrid_engine.ray_cluster import add_local_node
+
+    try:
+        extra = json.loads(resources)
+        if not isinstance(extra, dict):
+            raise ValueError(f"--resources {resources!r}: a JSON object, e.g. '{{\"trainer\": 1}}'")
+        info = add_local_node(name, num_cpus, extra)
+    except json.JSONDecodeError as e:
+        fail(ValueError(f"--resources {resources!r} is not JSON: {e.msg}"))
+    except Exception as e:
+        fail(e)
+    console.print(f"node {name!r} joined: {info['num_cpus']} CPU(s), resources {info['resources']}")
+
+
+@cluster_app.command("remove-node")
+def remove_node(
+    name: str,
+    kill: Annotated[bool, typer.Option(help="SIGKILL, as a lost machine")] = False,
+) -> None:
+    """Stop a node `add-node` started, with the pool workers on it."""
+    from hybrid_engine.ray_cluster import remove_local_node
+
+    if not remove_local_node(name, kill=kill):
+        fail(ValueError(f"no local node named {name!r}"))
+    console.print(f"node {name!r} stopped")
+
+
+@cluster_app.command("down")
+def down() -> None:
+    """Stop the local head and every node added to it (the pools on them die with them)."""
+    from hybrid_engine.ray_cluster import stop_local_head
+
+    console.print("local cluster stopped" if stop_local_head() else "no local head is running")

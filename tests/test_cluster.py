@@ -1,0 +1,137 @@
+"""The pool on a two-node Ray cluster on loopback: a head and a second node, each its own
+raylet (`ray start`), started and stopped by these tests.
+
+Ranks go where ray.placement and the custom resources ask; FSDP over ranks on two nodes
+trains like the in-process loop; a local storage root is refused across nodes unless
+declared shared; `hybridrl cluster status` shows the nodes and the workers on them; an
+unplaceable pool is refused in one line naming what is missing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from weights import assert_same_weights
+
+from hybrid_engine.config import load_config
+from hybrid_engine.trainer import Engine, train
+
+ROOT = Path(__file__).parents[1]
+SIGNAL = "reward.function=reward_fns:length_score"
+
+
+def cfg(pool: str, *extra: str):
+    return load_config(
+        "configs/grpo_tiny.yaml",
+        [SIGNAL, "trainer.backend=ray", f"ray.pool_name={pool}", "rollout.micro_batch_size=8",
+         "ray.call_timeout_s=120", *extra],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Head (1 CPU) + node "second" (1 CPU, custom resource `second`) on 127.0.0.1; both
+    stopped at the end, and none of their processes may survive."""
+    from hybrid_engine import ray_cluster
+
+    old = os.environ.get("HYBRIDRL_RAY_STATE")
+    os.environ["HYBRIDRL_RAY_STATE"] = str(tmp_path_factory.mktemp("raystate"))
+    address = ray_cluster.local_head(start=True, num_cpus=1)
+    node = ray_cluster.add_local_node("second", 1, {"second": 1})
+    head_dir = json.loads((ray_cluster.state_dir() / "head.json").read_text())["temp_dir"]
+    yield {"address": address, "env": {"HYBRIDRL_RAY_STATE": os.environ["HYBRIDRL_RAY_STATE"]}}
+    ray_cluster.stop_local_head()
+    left = [p.pid for d in (head_dir, node["temp_dir"]) for p in ray_cluster._head_processes(d)]
+    assert not left, f"processes left behind: {left}"
+    if old is None:
+        os.environ.pop("HYBRIDRL_RAY_STATE")
+    else:
+        os.environ["HYBRIDRL_RAY_STATE"] = old
+
+
+def nodes_of(engine) -> dict[str, str]:
+    return {w["name"]: w["node_id"] for w in engine.pool.status()}
+
+
+def test_ranks_are_placed_on_the_nodes_asked_for(cluster):
+    import ray
+
+    pinned = Engine(cfg("pin", "ray.actor_resources={second: 1}"))
+    head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
+    second = next(n["NodeID"] for n in ray.nodes() if "second" in n["Resources"])
+    assert nodes_of(pinned) == {"actor-0": second}
+    pinned.pool.down(stop_head=False)
+
+    spread = Engine(cfg("spread", "actor.layout.dp=2", "ray.placement=strict_spread"))
+    assert sorted(nodes_of(spread).values()) == sorted([head, second])
+    status = subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "status"], cwd=ROOT,
+                            env={**os.environ, **cluster["env"], "COLUMNS": "250"},
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert status.returncode == 0, status.stdout + status.stderr
+    rows = {line.split("│")[1].strip(): line for line in status.stdout.splitlines()
+            if line.count("│") > 3 and line.split("│")[1].strip() not in ("", "node")}  # fmt: skip
+    assert set(rows) == {head[:12], second[:12]}, status.stdout
+    assert "head" in rows[head[:12]] and "second=1" in rows[second[:12]]
+    by_node = {v: k for k, v in nodes_of(spread).items()}
+    assert f"spread/{by_node[second]}" in rows[second[:12]]
+    spread.pool.down(stop_head=False)
+
+
+def test_fsdp_across_two_nodes_trains_like_the_local_loop(cluster):
+    local, local_hist = train(
+        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8"])
+    )
+    engine = Engine(cfg("x2", "actor.layout.dp=2", "ray.placement=strict_spread"))
+    assert len(set(nodes_of(engine).values())) == 2
+    _, hist = train(engine.cfg, engine=engine)
+    assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict())
+    assert [h["critic/score/mean"] for h in hist] == [h["critic/score/mean"] for h in local_hist]
+    assert hist[-1]["timing_s/reshard"] > 0
+    engine.pool.down(stop_head=False)
+
+
+def test_an_unplaceable_pool_is_refused_in_one_line(cluster):
+    from hybrid_engine.pool import PoolError, find_workers
+
+    with pytest.raises(PoolError, match=r"no alive node has gpu_box=1"):
+        Engine(cfg("nogpu", "ray.actor_resources={gpu_box: 1}"))
+    with pytest.raises(PoolError, match=r"strict_spread needs 4 nodes that each fit one; 2 do"):
+        Engine(
+            cfg(
+                "four",
+                "actor.layout.dp=4",
+                "ray.placement=strict_spread",
+                "actor.ppo_micro_batch_size=2",
+            )
+        )
+    assert not find_workers("nogpu") and not find_workers("four")
+
+
+def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path):
+    from storage.store import check_reach
+
+    base = ["trainer.backend=ray", "ray.pool_name=store", "actor.layout.dp=2",
+            "ray.placement=strict_spread", "trainer.total_training_steps=1",
+            "tracking.enabled=false", "rollout.micro_batch_size=8", SIGNAL]  # fmt: skip
+    env = {**os.environ, **cluster["env"], "PYTHONPATH": str(ROOT / "tests")}
+    run = [sys.executable, "-m", "flows.cli", "train", "configs/grpo_tiny.yaml", *base]
+    refused = subprocess.run([*run, f"storage.root={tmp_path / 'runs'}", "--run-id", "r1"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "is a local directory but the pool and this driver are on 2 Ray nodes" in (
+        refused.stdout + refused.stderr
+    )
+    shared = load_config(
+        "configs/grpo_tiny.yaml",
+        [f"storage.root={tmp_path / 'runs'}", "storage.shared_filesystem=true"],
+    )
+    check_reach(shared.storage, {"a", "b"})  # declared mounted on every node
+    cfg_ = load_config("configs/grpo_tiny.yaml", ["storage.root=s3://bucket/x"])
+    check_reach(cfg_.storage, {"a", "b"})  # an object store is seen by every node
+    from hybrid_engine.pool import connect, down
+
+    connect(cfg("store"), start=False)
+    down("store", stop_head=False)
