@@ -1,5 +1,5 @@
-"""The pool on a two-node Ray cluster on loopback: a head and a second node, each its own
-raylet (`ray start`), started and stopped by these tests.
+"""The pool on a two-node Ray cluster on loopback: a head (`ray start --head`) and a second
+node with its own raylet (`hybridrl cluster add-node`'s code), started and stopped here.
 
 Ranks go where ray.placement and the custom resources ask; FSDP over ranks on two nodes
 trains like the in-process loop; a local storage root is refused across nodes unless
@@ -14,21 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_pool import SIGNAL, cfg  # the pool tests' config for a named pool
 from weights import assert_same_weights
 
 from hybrid_engine.config import load_config
 from hybrid_engine.trainer import Engine, train
 
 ROOT = Path(__file__).parents[1]
-SIGNAL = "reward.function=reward_fns:length_score"
-
-
-def cfg(pool: str, *extra: str):
-    return load_config(
-        "configs/grpo_tiny.yaml",
-        [SIGNAL, "trainer.backend=ray", f"ray.pool_name={pool}", "rollout.micro_batch_size=8",
-         "ray.call_timeout_s=120", *extra],
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
