@@ -31,17 +31,20 @@ def cluster(tmp_path_factory):
 
     old = os.environ.get("HYBRIDRL_RAY_STATE")
     os.environ["HYBRIDRL_RAY_STATE"] = str(tmp_path_factory.mktemp("raystate"))
-    address = ray_cluster.local_head(start=True, num_cpus=1)
-    node = ray_cluster.add_local_node("second", 1, {"second": 1})
-    head_dir = json.loads((ray_cluster.state_dir() / "head.json").read_text())["temp_dir"]
-    yield {"address": address, "env": {"HYBRIDRL_RAY_STATE": os.environ["HYBRIDRL_RAY_STATE"]}}
-    ray_cluster.stop_local_head()
-    left = [p.pid for d in (head_dir, node["temp_dir"]) for p in ray_cluster._head_processes(d)]
+    dirs = []
+    try:  # stopped even when the second node fails to start
+        address = ray_cluster.local_head(start=True, num_cpus=1)
+        dirs.append(json.loads((ray_cluster.state_dir() / "head.json").read_text())["temp_dir"])
+        dirs.append(ray_cluster.add_local_node("second", 1, {"second": 1})["temp_dir"])
+        yield {"address": address, "env": {"HYBRIDRL_RAY_STATE": os.environ["HYBRIDRL_RAY_STATE"]}}
+    finally:
+        ray_cluster.stop_local_head()
+        left = [p.pid for d in dirs for p in ray_cluster._head_processes(d)]
+        if old is None:
+            os.environ.pop("HYBRIDRL_RAY_STATE")
+        else:
+            os.environ["HYBRIDRL_RAY_STATE"] = old
     assert not left, f"processes left behind: {left}"
-    if old is None:
-        os.environ.pop("HYBRIDRL_RAY_STATE")
-    else:
-        os.environ["HYBRIDRL_RAY_STATE"] = old
 
 
 def nodes_of(engine) -> dict[str, str]:
