@@ -62,8 +62,9 @@ def test_ranks_are_placed_on_the_nodes_asked_for(cluster):
 
     spread = Engine(cfg("spread", "actor.layout.dp=2", "ray.placement=strict_spread"))
     assert sorted(nodes_of(spread).values()) == sorted([head, second])
+    shell = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # as a user's
     status = subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "status"], cwd=ROOT,
-                            env={**os.environ, **cluster["env"], "COLUMNS": "250"},
+                            env={**shell, **cluster["env"], "COLUMNS": "250"},
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert status.returncode == 0, status.stdout + status.stderr
     rows = {line.split("│")[1].strip(): line for line in status.stdout.splitlines()
