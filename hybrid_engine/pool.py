@@ -403,7 +403,7 @@ def down(pool_name: str, stop_head: bool = True) -> list[str]:
     deadline = time.monotonic() + 30
     while find_workers(pool_name) and time.monotonic() < deadline:  # names are released
         time.sleep(0.1)
-    placement.release(pool_name, sorted({n.rsplit("-", 1)[0] for n in killed} | set(GROUPS)))
+    placement.release(pool_name, list(GROUPS))  # every group a pool can have
     others = [a for a in ray.util.list_named_actors(all_namespaces=True)
               if a["namespace"].startswith("hybridrl-") and a["namespace"] != ns]  # fmt: skip
     if stop_head and not others and not (os.environ.get("RAY_ADDRESS")):
