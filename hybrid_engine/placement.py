@@ -11,6 +11,7 @@ the pool's reservation outlives the driver that made it; `remove` releases them.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import ray
@@ -60,18 +61,27 @@ def reserve(cfg: HybridConfig, group: str, ranks: int, timeout_s: float) -> Plac
     nodes = alive_nodes()
     why = never_fits(cfg.ray.placement, ranks, want, nodes)
     if why:
-        raise PoolError(f"{where} but {why} ({len(nodes)} alive node(s); "
-                        "`hybridrl cluster status`)")  # fmt: skip
+        raise _unplaceable(where, why, nodes)
     pg = placement_group([dict(want) for _ in range(ranks)], strategy=STRATEGY[cfg.ray.placement],
                          name=name, lifetime="detached")  # fmt: skip
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise PoolError(f"{where}: the nodes could hold it but their free resources did not "
-                        f"within ray.start_timeout_s={timeout_s:g} s (other pools or tasks "
-                        "use them; `hybridrl cluster status`)") from None  # fmt: skip
+    # While it waits, the nodes are looked at again every second: a node lost just before
+    # (Ray marks it dead only after missed health checks) makes it unplaceable later.
+    ready, deadline = pg.ready(), time.monotonic() + timeout_s
+    while not ray.wait([ready], timeout=min(1.0, max(deadline - time.monotonic(), 0)))[0]:
+        nodes = alive_nodes()
+        why = never_fits(cfg.ray.placement, ranks, want, nodes)
+        if why or time.monotonic() >= deadline:
+            remove_placement_group(pg)
+            if why:
+                raise _unplaceable(where, why, nodes)
+            raise PoolError(f"{where}: the nodes could hold it but their free resources did "
+                            f"not within ray.start_timeout_s={timeout_s:g} s (other pools or "
+                            "tasks use them; `hybridrl cluster status`)")  # fmt: skip
     return pg
+
+
+def _unplaceable(where: str, why: str, nodes: list[dict[str, Any]]) -> PoolError:
+    return PoolError(f"{where} but {why} ({len(nodes)} alive node(s); `hybridrl cluster status`)")
 
 
 def never_fits(placement: str, ranks: int, want: dict[str, float],

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import ray
+from ray._private.services import node_ip_address_from_perspective
 
 from hybrid_engine import RAY_ENV
 from hybrid_engine.config import HybridConfig
@@ -192,12 +193,16 @@ def connect(cfg: HybridConfig, start: bool = True) -> str | None:
         if address is None:
             return None
     if not ray.is_initialized():
+        # The driver attaches through the raylet of its own node, found by this node's
+        # address: 127.0.0.1 for a local head; else the address the cluster sees this machine
+        # at (what Ray itself picks on Linux, but RAY_ENV's switch, which keeps a local head
+        # on loopback, would make it 127.0.0.1 and the driver would find no raylet).
         local = address.startswith("127.0.0.1:")
         ray.init(
             address=address,
             namespace="hybridrl",
             log_to_driver=False,
             logging_level="WARNING",
-            _node_ip_address="127.0.0.1" if local else None,
+            _node_ip_address="127.0.0.1" if local else node_ip_address_from_perspective(address),
         )
     return address

@@ -11,6 +11,13 @@ from safetensors.torch import load_file
 HYBRIDRL = str(Path(sys.executable).parent / "hybridrl")
 
 
+@pytest.fixture(autouse=True)
+def shared_prefect_api(prefect_api, monkeypatch):
+    """The drivers use the suite's Prefect server instead of each starting a temporary one
+    (~6 s each); a test that needs an API of its own sets PREFECT_API_URL="" for its run."""
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)
+
+
 def run(*args, cwd, env=None):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
     return subprocess.run([HYBRIDRL, *args], cwd=cwd, env=env, capture_output=True, text=True)

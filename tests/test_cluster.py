@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,59 @@ def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path):
 
     connect(cfg("store"), start=False)
     down("store", stop_head=False)
+
+
+def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(cluster, tmp_path,
+                                                                              prefect_api):  # fmt: skip
+    """A node "third" (2 CPUs) holds both FSDP ranks (pack); its raylet and workers are
+    SIGKILLed in step 2: the recovery re-creates the pool on the head and "second" (one rank
+    each) and the run ends with the weights of the run without a fault. A pool pinned to
+    `third` loses its only node: the re-creation is refused in one line naming it."""
+    from hybrid_engine import ray_cluster
+
+    base = ["trainer.backend=ray", "actor.layout.dp=2", "trainer.total_training_steps=2",
+            "trainer.save_freq=1", "tracking.enabled=false", "rollout.micro_batch_size=8",
+            "pipeline.recovery_delay_s=0", f"storage.root={tmp_path}/runs",
+            "storage.shared_filesystem=true", "ray.call_timeout_s=120", SIGNAL]  # fmt: skip
+    env = {**os.environ, **cluster["env"], "PYTHONPATH": str(ROOT / "tests"),
+           "PREFECT_API_URL": prefect_api}  # fmt: skip
+
+    def run_losing_third(run_id: str, *extra: str) -> subprocess.CompletedProcess:
+        ray_cluster.add_local_node("third", 2, {"third": 2})
+        flag = tmp_path / f"{run_id}.paused"
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "configs/grpo_tiny.yaml",
+                                 *base, *extra, "--run-id", run_id], cwd=ROOT,
+                                env={**env, "HYBRIDRL_FAULT": f"step-2/reward:start=pause:{flag}"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        try:
+            while not flag.exists():
+                assert proc.poll() is None, proc.communicate()[0]
+                time.sleep(0.1)
+            assert ray_cluster.remove_local_node("third", kill=True)  # the machine is gone
+            flag.unlink()
+            out, _ = proc.communicate(timeout=400)
+        finally:
+            proc.kill()
+            ray_cluster.remove_local_node("third", kill=True)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+    moved = run_losing_third("moved", "ray.pool_name=moved", "ray.placement=pack")
+    assert moved.returncode == 0, moved.stdout
+    assert "recovery 1/" in moved.stdout and "pool 'moved' re-created" in moved.stdout
+    ref, _ = train(load_config("configs/grpo_tiny.yaml", [
+        SIGNAL, "trainer.total_training_steps=2", "rollout.micro_batch_size=8"]))  # fmt: skip
+    from safetensors.torch import load_file
+
+    final = load_file(tmp_path / "runs/moved/final/model.safetensors")
+    expect = ref.actor.policy.state_dict()  # final/ leaves out the tied lm_head
+    assert_same_weights(final, {k: expect[k] for k in final})
+
+    pinned = run_losing_third("pinned", "ray.pool_name=pinned", "ray.actor_resources={third: 1}")
+    assert pinned.returncode == 1, pinned.stdout
+    line = next(x for x in pinned.stdout.splitlines() if x.startswith("error:"))
+    assert "no alive node has third=1" in line, pinned.stdout
+    from hybrid_engine.pool import connect, down
+
+    connect(cfg("moved"), start=False)
+    down("moved", stop_head=False)
+    down("pinned", stop_head=False)

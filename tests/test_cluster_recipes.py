@@ -1,0 +1,441 @@
+"""The cluster recipe of deployments/cluster/, checked without a cluster (no Kubernetes,
+KubeRay, Slurm, docker or GPU here; no Ray is started and nothing trains):
+
+- every core Kubernetes object (the MLflow Deployment, Service and volume claim, the Secret,
+  the Prefect worker and its RBAC), the pod templates of the RayClusters' groups, and the Job
+  the Prefect worker makes from the base job template are validated against the Kubernetes
+  OpenAPI schemas (kubernetes-validate, strict: an unknown field is an error);
+- the RayClusters against the openAPIV3Schema of KubeRay's CRD (a copy of v1.7.0's), closed
+  the way `kubectl apply` (strict field validation) closes it;
+- the base job template by Prefect's own code: the server's work-pool validation, the
+  prefect-kubernetes job configuration rendering it for each deployment of prefect.yaml,
+  whose job variables pass the server's check and whose configs pass hybridrl's;
+- the scripts by `bash -n` and shellcheck, and the Job's entry point forwards SIGTERM;
+- the files agree with each other and with the code (ray start / mlflow server options,
+  the head service name, images, resources, paths in the image).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).parents[1]
+CLUSTER = ROOT / "deployments" / "cluster"
+BIN = Path(sys.executable).parent
+# the oldest Kubernetes minor still widely run, and the newest the validator knows
+K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
+CRD_SCHEMA = CLUSTER / "kuberay" / "raycluster-crd-v1.7.0.schema.json"
+RAYCLUSTERS = sorted((CLUSTER / "kuberay").glob("raycluster-*.yaml"))
+CORE_FILES = sorted((CLUSTER / "k8s").glob("*.yaml"))
+IMAGE_HOME = "/opt/hybridrl"  # WORKDIR of the Dockerfile, where the image holds the checkout
+
+
+def documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def k8s_valid(doc: dict) -> None:
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def as_pod_template(template: dict, name: str) -> dict:
+    """A pod template (PodTemplateSpec) as the core/v1 object that holds one."""
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+            "template": template}  # fmt: skip
+
+
+def group_templates(cluster: dict) -> list[tuple[str, dict]]:
+    spec = cluster["spec"]
+    return [("head", spec["headGroupSpec"]["template"])] + [
+        (g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs", [])
+    ]
+
+
+def prefect_yaml() -> dict:
+    return yaml.safe_load((CLUSTER / "prefect" / "prefect.yaml").read_text())
+
+
+def base_job_template() -> dict:
+    return json.loads((CLUSTER / "prefect" / "base-job-template.json").read_text())
+
+
+# ------------------------------------------------------------------ core Kubernetes objects
+@pytest.mark.parametrize(
+    "path,index",
+    [(p, i) for p in CORE_FILES for i in range(len(documents(p)))],
+    ids=lambda v: v.name if isinstance(v, Path) else str(v),
+)
+def test_kubernetes_objects_match_the_api_schema(path, index):
+    k8s_valid(documents(path)[index])
+
+
+@pytest.mark.parametrize("path", RAYCLUSTERS, ids=lambda p: p.name)
+def test_raycluster_pod_templates_match_the_api_schema(path):
+    (cluster,) = documents(path)
+    for group, template in group_templates(cluster):
+        k8s_valid(as_pod_template(template, f"{cluster['metadata']['name']}-{group}"))
+
+
+def test_a_misspelled_field_fails_the_kubernetes_schema():
+    """The validation can fail: a misspelled field, at the top of a spec or deep in a
+    container, is an error, not a field silently ignored."""
+    deployment = next(d for d in documents(CLUSTER / "k8s" / "mlflow.yaml")
+                      if d["kind"] == "Deployment")  # fmt: skip
+    k8s_valid(deployment)
+    top = copy.deepcopy(deployment)
+    top["spec"]["replica"] = top["spec"].pop("replicas")
+    deep = copy.deepcopy(deployment)
+    container = deep["spec"]["template"]["spec"]["containers"][0]
+    container["imagePulPolicy"] = container.pop("imagePullPolicy")
+    for bad, field in ((top, "replica"), (deep, "imagePulPolicy")):
+        with pytest.raises(kubernetes_validate.ValidationError, match=field):
+            k8s_valid(bad)
+
+
+def test_the_secret_example_holds_no_real_keys():
+    (secret,) = documents(CLUSTER / "k8s" / "secret-example.yaml")
+    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert all(v.startswith("REPLACE-WITH-") for v in secret["stringData"].values())
+
+
+# ------------------------------------------------------------------ RayClusters and the CRD
+def closed(schema: dict) -> dict:
+    """The CRD's schema with every object that lists its properties closed to others (not
+    those marked x-kubernetes-preserve-unknown-fields). The API server prunes unknown fields
+    of a custom resource, and `kubectl apply` (strict field validation) refuses them; plain
+    JSON Schema would accept them."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):  # fmt: skip
+        out["additionalProperties"] = False
+    return out
+
+
+@pytest.fixture(scope="module")
+def crd_schema() -> dict:
+    return json.loads(CRD_SCHEMA.read_text())
+
+
+@pytest.fixture(scope="module")
+def raycluster_validator(crd_schema):
+    return jsonschema.Draft7Validator(closed(crd_schema))
+
+
+@pytest.mark.parametrize("path", RAYCLUSTERS, ids=lambda p: p.name)
+def test_rayclusters_match_kuberays_crd(path, raycluster_validator):
+    (cluster,) = documents(path)
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+              for e in raycluster_validator.iter_errors(cluster)]  # fmt: skip
+    assert not errors, errors
+
+
+def test_a_misspelled_field_fails_the_crd_schema(crd_schema, raycluster_validator):
+    """A misspelled key of the RayCluster spec and of a container inside it are refused; the
+    CRD's schema as published (open objects) would let both through."""
+    (cluster,) = documents(CLUSTER / "kuberay" / "raycluster-demo.yaml")
+    top = copy.deepcopy(cluster)
+    group = top["spec"]["workerGroupSpecs"][0]
+    group["rayStartParam"] = group.pop("rayStartParams")
+    deep = copy.deepcopy(cluster)
+    container = deep["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    container["imagePulPolicy"] = container.pop("imagePullPolicy")
+    for bad, field in ((top, "rayStartParam"), (deep, "imagePulPolicy")):
+        messages = [e.message for e in raycluster_validator.iter_errors(bad)]
+        assert any(f"'{field}' was unexpected" in m for m in messages), messages
+        assert jsonschema.Draft7Validator(crd_schema).is_valid(bad)
+
+
+def start_params(group: dict) -> dict[str, float]:
+    """What a group's pods offer Ray: CPUs, GPUs and custom resources, read from its
+    rayStartParams the way KubeRay reads the resources JSON (quotes trimmed)."""
+    params = group["rayStartParams"]
+    offer = {"CPU": float(params["num-cpus"]), "GPU": float(params.get("num-gpus", 0))}
+    if "resources" in params:
+        offer |= {k: float(v) for k, v in json.loads(params["resources"].strip("'\"` ")).items()}
+    return offer
+
+
+@pytest.mark.parametrize("path", RAYCLUSTERS, ids=lambda p: p.name)
+def test_rayclusters_agree_with_ray_and_the_image(path):
+    """Every rayStartParams key is a `ray start` option; the Ray version is the installed
+    one (a driver must match its cluster); every container runs without Ray's token auth,
+    like hybridrl's driver; the head runs no pool worker."""
+    import ray
+    from ray.scripts.scripts import start
+
+    from hybrid_engine import RAY_ENV
+
+    options = {o.removeprefix("--") for p in start.params for o in p.opts}
+    (cluster,) = documents(path)
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == ray.__version__
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        assert set(group["rayStartParams"]) <= options, set(group["rayStartParams"]) - options
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env["RAY_AUTH_MODE"] == RAY_ENV["RAY_AUTH_MODE"] == "disabled"
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    for group in spec["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        offer = start_params(group)
+        assert offer["CPU"] == float(limits["cpu"])
+        assert offer["GPU"] == float(limits.get("nvidia.com/gpu", 0))
+
+
+# ------------------------------------------------------------------ Prefect: the work pool
+def test_base_job_template_is_one_prefects_server_accepts():
+    """The server's own check (job_configuration and variables present; every placeholder a
+    declared variable), the variables a valid JSON schema, and their defaults valid."""
+    from prefect.server.schemas.actions import WorkPoolCreate
+    from prefect.utilities.schema_tools import is_valid_schema, validate
+    from prefect.utilities.templating import find_placeholders
+
+    template = base_job_template()
+    WorkPoolCreate(name="hybridrl-k8s", type="kubernetes", base_job_template=template)
+    variables = template["variables"]
+    is_valid_schema(variables, preprocess=False)
+    used = {p.name for p in find_placeholders(json.dumps(template["job_configuration"]))}
+    assert used <= set(variables["properties"]), used - set(variables["properties"])
+    defaults = {k: v["default"] for k, v in variables["properties"].items() if "default" in v}
+    validate({**defaults, "image": "x"}, variables, raise_on_error=True, ignore_required=False)
+
+
+def test_an_undeclared_placeholder_is_refused_by_prefect():
+    from prefect.server.schemas.actions import WorkPoolCreate
+
+    template = base_job_template()
+    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    container["resources"]["limits"]["nvidia.com/gpu"] = "{{ gpu_count }}"
+    with pytest.raises(ValueError, match="gpu_count"):
+        WorkPoolCreate(name="hybridrl-k8s", type="kubernetes", base_job_template=template)
+
+
+class NoServer:
+    """A Prefect client that refuses every call: rendering needs no server."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the rendering called the Prefect API ({name})")
+
+
+def rendered_job(job_variables: dict) -> dict:
+    """The Job manifest a Kubernetes worker makes for a flow run of a deployment with these
+    job variables: prefect-kubernetes' own configuration class, rendering and preparation."""
+    from prefect.client.schemas.objects import FlowRun
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(
+        base_job_template(), job_variables, client=NoServer()))  # fmt: skip
+    run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="brave-otter")
+    config.prepare_for_flow_run(flow_run=run)
+    return config.job_manifest
+
+
+DEPLOYMENTS = [d["name"] for d in prefect_yaml()["deployments"]]
+
+
+def deployment(name: str) -> dict:
+    return next(d for d in prefect_yaml()["deployments"] if d["name"] == name)
+
+
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_each_deployment_renders_a_valid_job(name):
+    from prefect.utilities.schema_tools import validate
+
+    job_variables = deployment(name)["work_pool"]["job_variables"]
+    variables = base_job_template()["variables"]
+    validate(job_variables, variables, raise_on_error=True, ignore_required=False)
+    job = rendered_job(job_variables)
+    # Prefect requires parallelism and completions inside the pod spec, where the Pod API has
+    # no such fields: the API server drops them with a warning (fieldValidation=Warn, the
+    # default for API clients). They are the only fields the strict schema refuses.
+    pod = job["spec"]["template"]["spec"]
+    assert (pod["parallelism"], pod["completions"]) == (1, 1)
+    with pytest.raises(kubernetes_validate.ValidationError) as refused:
+        k8s_valid(job)
+    assert "'completions', 'parallelism' were unexpected" in refused.value.message
+    del pod["parallelism"], pod["completions"]
+    k8s_valid(job)
+
+    (container,) = pod["containers"]
+    assert container["image"] == job_variables["image"]
+    assert container["command"] == ["bash", f"{IMAGE_HOME}/deployments/cluster/prefect/"
+                                    "join-ray-and-run.sh"]  # fmt: skip
+    assert (ROOT / container["command"][1].removeprefix(f"{IMAGE_HOME}/")).is_file()
+    # the engine itself, so the kubelet's SIGTERM reaches the flow (the variable the worker
+    # adds, PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR, is read by `prefect flow-run execute`)
+    assert container["args"] == ["python", "-m", "prefect.engine"]
+    env = {e["name"]: e for e in container["env"]}
+    for key, value in job_variables["env"].items():
+        assert env[key]["value"] == value
+    assert env["RAY_AUTH_MODE"]["value"] == "disabled"
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        ref = env[key]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (job_variables["s3_secret_name"], key)
+    assert job["metadata"]["namespace"] == job_variables["namespace"]
+    assert job["spec"]["backoffLimit"] == 0
+
+
+# ------------------------------------------------------------------ Prefect: the deployments
+def test_prefect_yaml_runs_the_flows_from_the_image():
+    doc = prefect_yaml()
+    (pull,) = doc["pull"]
+    assert pull["prefect.deployments.steps.set_working_directory"]["directory"] == IMAGE_HOME
+    dockerfile = (CLUSTER / "Dockerfile").read_text()
+    assert f"WORKDIR {IMAGE_HOME}\n" in dockerfile
+    for d in doc["deployments"]:
+        path, func = d["entrypoint"].split(":")
+        assert f"def {func}(" in (ROOT / path).read_text()
+        assert d["work_pool"]["name"] == "hybridrl-k8s"
+
+
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_deployment_configs_pass_hybridrls_check(name, monkeypatch):
+    """flows.deploy.read_deployments, as `hybridrl deploy` runs it, with the job's plain
+    environment (HYBRIDRL_STORAGE__ROOT, HYBRIDRL_TRACKING__URI, ...) set as in the Job."""
+    from flows.deploy import read_deployments
+
+    d = deployment(name)
+    for key, value in d["work_pool"]["job_variables"]["env"].items():
+        monkeypatch.setenv(key, value)
+    (checked,) = read_deployments(CLUSTER / "prefect" / "prefect.yaml", [name])
+    if "config" in checked["parameters"]:
+        assert (ROOT / checked["parameters"]["config"]).is_file()
+
+
+def test_a_misspelled_override_fails_the_deployment_check(tmp_path):
+    from flows.deploy import DeployError, read_deployments
+
+    bad = tmp_path / "prefect.yaml"
+    text = (CLUSTER / "prefect" / "prefect.yaml").read_text()
+    bad.write_text(text.replace("- ray.num_cpus_per_rank=2", "- ray.num_cpu_per_rank=2"))
+    with pytest.raises(DeployError, match="demo-cpu-kuberay.*ray.num_cpu_per_rank"):
+        read_deployments(bad, ["demo-cpu-kuberay"])
+
+
+@pytest.mark.parametrize("name", [n for n in DEPLOYMENTS if "kuberay" in n])
+def test_each_training_fits_its_raycluster(name):
+    """RAY_ADDRESS names the head service KubeRay makes for one of the RayClusters, in the
+    Job's namespace, running the Job's image; the actor ranks (each needing
+    ray.num_cpus_per_rank, ray.num_gpus_per_rank and ray.actor_resources) fit the pods
+    of its worker groups by the pool's own placement check."""
+    from hybrid_engine import placement
+    from hybrid_engine.config import load_config
+
+    d = deployment(name)
+    jv = d["work_pool"]["job_variables"]
+    host, port = jv["env"]["RAY_ADDRESS"].split(":")
+    clusters = {f"{c['metadata']['name']}-head-svc": c for p in RAYCLUSTERS
+                for c in documents(p)}  # fmt: skip
+    cluster = clusters[host]
+    assert port == "6379" and cluster["metadata"]["namespace"] == jv["namespace"]
+    images = {c["image"] for _, t in group_templates(cluster) for c in t["spec"]["containers"]}
+    assert images == {jv["image"]}
+    cfg = load_config(ROOT / d["parameters"]["config"], d["parameters"]["overrides"])
+    assert cfg.trainer.backend == "ray" and cfg.trainer.num_threads == cfg.ray.num_cpus_per_rank
+    # the pool's own placement check, on the nodes the worker groups' pods make
+    nodes = [{"resources": start_params(group)} for group in cluster["spec"]["workerGroupSpecs"]
+             for _ in range(group["replicas"])]  # fmt: skip
+    want = placement.bundle(cfg, "actor")
+    assert placement.never_fits(cfg.ray.placement, cfg.actor.layout.dp, want, nodes) is None
+
+
+# ------------------------------------------------------------------ MLflow, images, docs
+def test_mlflow_server_matches_the_tracking_uri():
+    import mlflow.cli
+
+    docs = {d["kind"]: d for d in documents(CLUSTER / "k8s" / "mlflow.yaml")}
+    (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    options = {o for p in mlflow.cli.server.params for o in p.opts}
+    flags = {a.split("=", 1)[0] for a in container["args"]}
+    assert container["command"] == ["mlflow", "server"] and flags <= options, flags - options
+    args = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    assert args["artifacts-destination"].startswith("s3://")
+    service = docs["Service"]
+    (port,) = service["spec"]["ports"]
+    uris = {d["work_pool"]["job_variables"]["env"]["HYBRIDRL_TRACKING__URI"]
+            for d in prefect_yaml()["deployments"]}  # fmt: skip
+    assert uris == {f"http://{service['metadata']['name']}:{port['port']}"}
+    host = f"{service['metadata']['name']}:{port['port']}"
+    assert host in args["allowed-hosts"].split(",")
+
+
+def test_dockerfile_installs_torch_first_then_the_project():
+    """Static checks only: no docker here, the image is never built by the suite."""
+    text = (CLUSTER / "Dockerfile").read_text()
+    runs = [line for line in text.splitlines() if line.startswith("RUN ")]
+    assert "torch==2.13.0" in runs[0]
+    assert any("pip install . " in r for r in runs[1:])
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = re.search(r"include = \[(.*?)\]", pyproject).group(1)
+    for package in re.findall(r'"(\w+)\*"', packages):
+        assert f"COPY {package} ./{package}\n" in text
+    assert "COPY configs ./configs\n" in text and "COPY deployments ./deployments\n" in text
+
+
+def test_the_readme_lists_every_file():
+    readme = (CLUSTER / "README.md").read_text()
+    for path in sorted(p for p in CLUSTER.rglob("*") if p.is_file() and p.name != "README.md"):
+        assert f"`{path.relative_to(CLUSTER)}`" in readme, path
+
+
+# ------------------------------------------------------------------ scripts
+SCRIPTS = [CLUSTER / "slurm" / "hybridrl.sbatch", CLUSTER / "prefect" / "join-ray-and-run.sh"]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_parse_and_pass_shellcheck(path):
+    p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    p = subprocess.run([str(BIN / "shellcheck"), "--shell=bash", str(path)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert p.returncode == 0, p.stdout
+
+
+def test_job_entry_point_forwards_sigterm_and_returns_the_status(tmp_path):
+    """Without RAY_ADDRESS the wrapper joins no cluster: what is left is its signal path. The
+    SIGTERM it receives (as the kubelet sends it to PID 1) reaches the command, which
+    finishes its shutdown; the wrapper exits with the command's status."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    time.sleep(0.5); print('stopped cleanly', flush=True); sys.exit(7)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    wrapper = subprocess.Popen(["bash", str(SCRIPTS[1]), sys.executable, str(child)], env=env,
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert wrapper.stdout.readline().strip() == "up"
+    time.sleep(0.2)
+    wrapper.send_signal(signal.SIGTERM)
+    out, _ = wrapper.communicate(timeout=20)
+    assert (wrapper.returncode, out.strip()) == (7, "stopped cleanly")
