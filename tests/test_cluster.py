@@ -183,8 +183,12 @@ def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(clu
     assert pinned.returncode == 1, pinned.stdout
     line = next(x for x in pinned.stdout.splitlines() if x.startswith("error:"))
     assert "no alive node has third=1" in line, pinned.stdout
-    from hybrid_engine.pool import connect, down
+    import ray
+
+    from hybrid_engine.pool import connect, down, pool_status
 
     connect(cfg("moved"), start=False)
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # the head and "second"
+    assert len(alive) == 2 and {w["node_id"] for w in pool_status("moved")} == alive
     down("moved", stop_head=False)
     down("pinned", stop_head=False)
