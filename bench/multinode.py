@@ -144,7 +144,6 @@ def main() -> None:
         (out / "multinode.md").write_text(report(json.loads((out / "multinode.json").read_text())))
         return
     import ray
-    import torch
 
     from hybrid_engine import ray_cluster
     from hybrid_engine.config import load_config
@@ -181,7 +180,6 @@ def main() -> None:
                   flush=True)  # fmt: skip
             results["models"][model] = row
             del ref, final
-            torch.manual_seed(0)
     finally:
         ray.shutdown()
         ray_cluster.stop_local_head()

@@ -45,6 +45,8 @@ def status() -> None:
     import ray
     from rich.table import Table
 
+    from hybrid_engine.config.infra import RAY_BUILTIN_RESOURCES
+
     if not _connected():
         console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
         raise typer.Exit(1)
@@ -58,8 +60,8 @@ def status() -> None:
     for n in ray.nodes():
         node_id, total = n["NodeID"], n["Resources"]
         avail = free.get(node_id, {})
-        custom = {k: v for k, v in total.items() if k not in ("CPU", "GPU", "memory",
-                  "object_store_memory") and not k.startswith(("node:", "accelerator_type"))}  # fmt: skip
+        custom = {k: v for k, v in total.items() if k not in RAY_BUILTIN_RESOURCES
+                  and not k.startswith(("node:", "accelerator_type"))}  # fmt: skip
         table.add_row(
             node_id[:12], n["NodeManagerAddress"],
             "head" if "node:__internal_head__" in total else "worker",

@@ -27,7 +27,7 @@ from hybrid_engine.config import HybridConfig
 from hybrid_engine.ray_cluster import PoolError
 
 STRATEGY = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
-RESOURCES_KEY = {  # group -> the ray.* key naming its custom resources
+RESOURCES_KEY = {  # every group a pool can have -> the ray.* key naming its custom resources
     "actor": "actor_resources",
     "critic": "critic_resources",
     "rm": "reward_model_resources",

@@ -36,7 +36,7 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 from hybrid_engine.models import load_tokenizer
-from hybrid_engine.pool_worker import GROUPS, RemoteWorker, group_plan, pool_spec
+from hybrid_engine.pool_worker import RemoteWorker, group_plan, pool_spec
 from hybrid_engine.proxy import RoleProxy
 from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's interface
     PoolError,
@@ -403,7 +403,7 @@ def down(pool_name: str, stop_head: bool = True) -> list[str]:
     deadline = time.monotonic() + 30
     while find_workers(pool_name) and time.monotonic() < deadline:  # names are released
         time.sleep(0.1)
-    placement.release(pool_name, list(GROUPS))  # every group a pool can have
+    placement.release(pool_name, list(placement.RESOURCES_KEY))  # every group a pool can have
     others = [a for a in ray.util.list_named_actors(all_namespaces=True)
               if a["namespace"].startswith("hybridrl-") and a["namespace"] != ns]  # fmt: skip
     if stop_head and not others and not (os.environ.get("RAY_ADDRESS")):

@@ -44,9 +44,6 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
-GROUPS = ("actor", "critic", "rm", "rollout")  # every group a pool can have
-
-
 def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
     """group name -> (ranks, roles hosted by each rank's process)."""
     actor_roles = ["actor"]

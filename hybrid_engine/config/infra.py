@@ -180,6 +180,9 @@ class PipelineConfig(Section):
     )  # fmt: skip
 
 
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # not custom ones
+
+
 class RayConfig(Section):
     """The persistent worker pool: where it runs and how its roles are placed."""
 
@@ -246,12 +249,12 @@ class RayConfig(Section):
 
     @model_validator(mode="after")
     def _custom_resources(self) -> RayConfig:
-        for field in ("actor", "critic", "rollout", "reward_model"):
-            for name, amount in getattr(self, f"{field}_resources").items():
-                if name in ("CPU", "GPU", "memory", "object_store_memory") or not name:
-                    raise ValueError(f"ray.{field}_resources: {name!r} is not a custom resource "
-                                     "(CPUs and GPUs per rank: ray.num_cpus_per_rank / "
+        for key in [k for k in type(self).model_fields if k.endswith("_resources")]:
+            for name, amount in getattr(self, key).items():
+                if name in RAY_BUILTIN_RESOURCES or not name:
+                    raise ValueError(f"ray.{key}: {name!r} is not a custom resource (CPUs and "
+                                     "GPUs per rank: ray.num_cpus_per_rank / "
                                      "ray.num_gpus_per_rank)")  # fmt: skip
                 if amount <= 0:
-                    raise ValueError(f"ray.{field}_resources.{name}: {amount} must be > 0")
+                    raise ValueError(f"ray.{key}.{name}: {amount} must be > 0")
         return self
