@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -80,6 +81,7 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
         if not resume:  # bad input fails here, in a second, before Prefect starts
             from storage.store import new_run_id, validate_run_id
 
+            run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
             if cfg.tracking.enabled:  # a server that is down: seconds, not minutes
                 from storage.tracking import check_tracking, tracking_uri
 
@@ -87,7 +89,6 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
             from flows.preflight import preflight
 
             preflight(cfg)  # model dirs, data, reward function, storage root: seconds
-            run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
             from flows.opening import refuse_existing
             from storage.store import RunStore
 
@@ -135,9 +136,10 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
     except (KeyboardInterrupt, typer.Exit):
         raise
     except Exception as e:
-        from prefect.exceptions import CancelledRun
-
-        if isinstance(e, CancelledRun):  # SIGTERM: the flow run ended in state "Preempted"
+        # SIGTERM: the flow run ended in state "Preempted". No flow ran without Prefect
+        # imported (a config error), and importing it just to check would cost a second.
+        prefect = sys.modules.get("prefect.exceptions")
+        if prefect and isinstance(e, prefect.CancelledRun):
             console.print(f"[yellow]{e}[/]", soft_wrap=True)
             raise typer.Exit(143) from None
         if debug:
@@ -344,11 +346,11 @@ def _connect() -> bool:
 @pool_app.command("status")
 def pool_status(pool: PoolName = "default") -> None:
     """Each worker: weights version, role, rank, pid, RSS, health."""
+    pool = _checked_pool(pool)  # before Ray and torch are imported: a bad name fails at once
     from rich.table import Table
 
     from hybrid_engine.pool import pool_status as status
 
-    pool = _checked_pool(pool)
     if not _connect():
         console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
         raise typer.Exit(1)
@@ -374,9 +376,9 @@ def pool_status(pool: PoolName = "default") -> None:
 @pool_app.command("down")
 def pool_down(pool: PoolName = "default") -> None:
     """Kill the pool's workers; stop the local Ray head if no other pool uses it."""
+    pool = _checked_pool(pool)
     from hybrid_engine.pool import down
 
-    pool = _checked_pool(pool)
     if not _connect():
         console.print("no Ray cluster is running: nothing to stop")
         return

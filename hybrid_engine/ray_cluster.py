@@ -174,11 +174,15 @@ def remove_local_node(name: str, kill: bool = False) -> bool:
     return True
 
 
-def _end(procs: list[psutil.Process], kill: bool) -> None:
+def _end(procs: list[psutil.Process], kill: bool, grace_s: float = 2.0) -> None:
+    """SIGKILL, or SIGTERM and SIGKILL what is left after `grace_s`. Ray 2.60's agents and
+    dashboard exit within ~2 s of a SIGTERM; its gcs_server and autoscaler monitor ignore
+    it, and the raylet then waits ~12 s for them (measured): the head holds nothing that a
+    longer wait would save (the pool's state is in storage)."""
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=10)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()

@@ -8,6 +8,9 @@ reaches `<point>`, once per process:
     step-2/rollout:before_commit=pause:FILE   create FILE and wait until someone deletes it
     step-2/update:start=kill-worker:actor-1   SIGKILL pool worker actor-1 (`@0.5`: half a
                                               second later, from a thread: mid-call)
+    step-3/rollout:start=kill-worker:rollout-0@generating
+                                              SIGKILL it once it is generating (it reports
+                                              sampled tokens): certainly mid-call
     step-3/rollout:start=stop-worker:actor-0  SIGSTOP pool worker actor-0 (a hang)
     step-4/reward:start=term                  SIGTERM this process (a preemption)
     step-5/advantage:batch=nan                NaN in the first row's advantages before the
@@ -80,23 +83,50 @@ def _act(action: str, name: str, spec: str) -> None:
         worker, _, delay = target.partition("@")
         sig = signal.SIGKILL if kind == "kill-worker" else signal.SIGSTOP
         pid = worker_pid(worker)
-        if delay:
+        if delay == "generating":
+            threading.Thread(target=_when_generating, args=(worker, pid, sig, spec),
+                             daemon=True).start()  # fmt: skip
+        elif delay:
             threading.Timer(float(delay), os.kill, (pid, sig)).start()
         else:
             os.kill(pid, sig)
     else:
         raise ValueError(
             f"HYBRIDRL_FAULT={spec!r}: action must be kill, term, pause:<file>, "
-            "kill-worker:<name>[@s] or stop-worker:<name>[@s]"
+            "kill-worker:<name>[@s|@generating] or stop-worker:<name>[@s|@generating]"
         )
+
+
+def _when_generating(worker: str, pid: int, sig: int, spec: str, timeout_s: float = 300) -> None:
+    """Signal the worker once its rollout reports progress (it is inside `generate`); the
+    fault log (`HYBRIDRL_FAULT_LOG`) gets how far its generation had come."""
+    import ray
+
+    handle, role = _worker_handle(worker), worker.rsplit("-", 1)[0]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        progress = ray.get(handle.rollout_progress.remote(role), timeout=30)
+        if progress is not None:
+            os.kill(pid, sig)
+            if log := os.environ.get("HYBRIDRL_FAULT_LOG"):
+                with open(log, "a") as f:
+                    f.write(f"{spec.strip()}: signalled while generating ({progress})\n")
+            return
+        time.sleep(0.002)
+    raise TimeoutError(f"HYBRIDRL_FAULT: {worker} did not generate within {timeout_s} s")
 
 
 def worker_pid(worker: str) -> int:
     """The pid of the pool worker named `worker` (e.g. actor-1) on the connected Ray cluster."""
     import ray
 
+    return ray.get(_worker_handle(worker).info.remote(), timeout=30)["pid"]
+
+
+def _worker_handle(worker: str) -> Any:
+    import ray
+
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["name"] == worker and a["namespace"].startswith("hybridrl-"):
-            handle = ray.get_actor(worker, namespace=a["namespace"])
-            return ray.get(handle.info.remote(), timeout=30)["pid"]
+            return ray.get_actor(worker, namespace=a["namespace"])
     raise LookupError(f"no pool worker named {worker!r}")

@@ -7,9 +7,10 @@ its ephemeral API gets 120 s to start on a busy machine, and analytics stay off.
 
 import os
 
-for _key, _value in {
+PREFECT_ENV = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
-}.items():
+}
+for _key, _value in PREFECT_ENV.items():
     os.environ.setdefault(_key, _value)

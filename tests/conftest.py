@@ -8,6 +8,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/servers.py, reward_fns.p
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The environment the suite was started with, before the libraries the tests import set
+# their own variables in this process (Ray sets RAY_CLIENT_MODE, tasks/ Prefect's defaults):
+# driver processes start from this, as they would from a shell.
+PRISTINE_ENV = dict(os.environ)
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +27,18 @@ def tiny_cfg():
     from hybrid_engine.config import load_config
 
     return load_config("configs/grpo_tiny.yaml")
+
+
+# What the fast tier (`-m fast`) may not use: servers, Ray heads, training runs.
+NOT_FAST = {"prefect_api", "reference", "reference_run", "ray_env", "async_reference"}
+NOT_FAST |= {"ray_head", "ray_state", "cluster", "registered", "setup"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        used = NOT_FAST & set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("fast") and used:
+            raise pytest.UsageError(f"{item.nodeid} is marked fast but uses {sorted(used)}")
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import fsspec
 import torch
-from conftest import S3_ENV
+from conftest import PRISTINE_ENV, S3_ENV
+from drivers import Driver
 from safetensors.torch import load as st_load
 
 ROOT = Path(__file__).parents[1]
@@ -27,25 +25,36 @@ KILLS = ["step-1/rollout:before_commit", "step-2/reward:before_commit", "step-2:
          "step-3/advantage:before_commit", "step-4/update:before_commit"]  # fmt: skip
 
 
-def driver(args: list[str], prefect_api: str, fault: str | None = None, extra_env=None):
-    """One `hybridrl` process in its own process group (killed with it if it crashes)."""
-    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
+def wait_for(flag: Path, proc: Driver, timeout_s: float = 300) -> None:
+    """Until `flag` exists (a `pause:` fault point was reached); fails with the process's
+    output if it ends first or the time runs out (then the process group is killed)."""
+    deadline = time.monotonic() + timeout_s
+    while not flag.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill_group()
+            rc, out, _ = proc.wait(timeout=30)
+            raise AssertionError(f"{flag.name} not reached (exit {rc}):\n{out}")
+        time.sleep(0.05)
+
+
+def driver(args: list[str], prefect_api: str, fault: str | None = None, extra_env=None,
+           timeout: float = 600):  # fmt: skip
+    """One `hybridrl` process in its own process group (killed with it if it crashes):
+    (exit status, stdout and stderr interleaved)."""
+    env = {**PRISTINE_ENV, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
            "PREFECT_API_URL": prefect_api, **(extra_env or {})}  # fmt: skip
     env.pop("HYBRIDRL_FAULT", None)
     if fault:
         env["HYBRIDRL_FAULT"] = fault
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
-    if proc.returncode < 0:  # a crash: nothing of it may survive
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out
+    proc = Driver(args, env)  # forked from a process that has imported the stack already
+    rc, out, _ = proc.wait(timeout=timeout)
+    if rc < 0:  # a crash: nothing of it may survive
+        proc.kill_group()
+    return rc, out
 
 
 @contextlib.contextmanager
-def own_ray_head(state: Path, pool_name: str):
+def own_ray_head(state: Path, pool_name: str, prefect_api: str):
     """A pool on its own local head (state dir `state`): yields the drivers' environment;
     afterwards `pool down`, and nothing of the head may be left running."""
     from hybrid_engine import pool
@@ -55,8 +64,7 @@ def own_ray_head(state: Path, pool_name: str):
     head = state / "head.json"
     if head.is_file():
         temp_dir = json.loads(head.read_text())["temp_dir"]
-        subprocess.run([sys.executable, "-m", "flows.cli", "pool", "down", "--pool", pool_name],
-                       cwd=ROOT, env={**os.environ, **env}, capture_output=True, timeout=120)  # fmt: skip
+        driver(["pool", "down", "--pool", pool_name], prefect_api, extra_env=env, timeout=120)
         assert not pool._head_processes(temp_dir), "the local Ray head outlived the test"
 
 

@@ -25,6 +25,8 @@ from hybrid_engine.algorithms.kl import (
 from hybrid_engine.algorithms.losses import policy_loss, value_loss
 from hybrid_engine.algorithms.utils import masked_mean, masked_var, masked_whiten
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 # --------------------------------------------------------------------------- masked helpers
 
 

@@ -98,9 +98,9 @@ def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
 
 # --------------------------------------------------------------------------- pipeline
 @pytest.fixture(scope="module")
-def ray_env(tmp_path_factory):
+def ray_env(tmp_path_factory, prefect_api):
     """The pool's own local head for this module, stopped at the end with nothing left."""
-    with own_ray_head(tmp_path_factory.mktemp("ray"), "async") as env:
+    with own_ray_head(tmp_path_factory.mktemp("ray"), "async", prefect_api) as env:
         yield env
 
 
@@ -239,19 +239,25 @@ def test_an_asynchronous_fork_at_a_rollout_may_not_change_what_updates_read(asyn
 def test_a_dead_rollout_replica_and_a_dead_trainer_are_recovered_exactly(
     tmp_path, prefect_api, ray_env, async_reference
 ):
-    """rollout-0 killed 0.3 s into step 3's rollout (beside step 2; the tiny model may be done
-    by then), actor-0 killed 0.1 s into step 4's update: two recoveries, and the same weights as the uninterrupted run
-    (a fresh run with the same seed: asynchronous training is deterministic)."""
-    fault = ("step-3/rollout:start=kill-worker:rollout-0@0.3;"
+    """rollout-0 killed inside step 3's generate call (beside step 2's update: once the replica
+    reports sampled tokens), actor-0 killed 0.1 s into step 4's update: two recoveries, and
+    the same weights as the uninterrupted run (a fresh run with the same seed: asynchronous
+    training is deterministic)."""
+    fault = ("step-3/rollout:start=kill-worker:rollout-0@generating;"
              "step-4/update:start=kill-worker:actor-0@0.1")  # fmt: skip
-    rc, out = run(tmp_path, "healed", prefect_api, ray_env, fault)
+    log = tmp_path / "faults.log"
+    rc, out = run(tmp_path, "healed", prefect_api, {**ray_env, "HYBRIDRL_FAULT_LOG": str(log)},
+                  fault)  # fmt: skip
     assert rc == 0, out
     assert "recovered from 2 worker fault(s)" in out
     events = json.loads((tmp_path / "healed" / "run.json").read_text())["recoveries"]
     assert [(e["worker"], e["how"]) for e in events] == [("rollout-0", "died"),
                                                          ("actor-0", "died")]  # fmt: skip
-    # the replica's death is seen by its rollout or first by the update's worker status
-    assert events[0]["where"] in ("step-2/update", "step-3/rollout", "step-3/update")
+    # rollout-0 died inside step 3's generate call, beside step 2's update: the driver sees
+    # it first in update 2's worker status if that ends meanwhile, else in the rollout call
+    killed = [x for x in log.read_text().splitlines() if "rollout-0@generating:" in x]
+    assert len(killed) == 1 and "signalled while generating ({'tokens'" in killed[0], killed
+    assert events[0]["where"] in ("step-2/update", "step-3/rollout")
     assert_same_run(final_state(fs_for(str(tmp_path), None), f"{tmp_path}/healed"),
                     async_reference[1])  # fmt: skip
 

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 import flows.train  # noqa: F401 - Prefect's log handlers bind to pytest's streams, not a
 from flows.cli import app  # runner's, which are closed after each case
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 ROOT = Path(__file__).parents[1]
 TINY = "configs/grpo_tiny.yaml"
 GOOD_ROW = {"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}

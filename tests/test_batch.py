@@ -5,6 +5,8 @@ import torch
 
 from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 
 def make(n: int = 4) -> Batch:
     return Batch(

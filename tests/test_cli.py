@@ -1,26 +1,36 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import PRISTINE_ENV
+from drivers import Driver
 from safetensors.torch import load_file
 
-HYBRIDRL = str(Path(sys.executable).parent / "hybridrl")
+# "fails in seconds": a refusal that needs no model, pool or flow (measured 0.3-3 s); a
+# command that hangs or waits out a network timeout instead fails the test at this bound
+FAST = 30
 
 
 @pytest.fixture(autouse=True)
-def shared_prefect_api(prefect_api, monkeypatch):
+def shared_prefect_api(request, monkeypatch):
     """The drivers use the suite's Prefect server instead of each starting a temporary one
-    (~6 s each); a test that needs an API of its own sets PREFECT_API_URL="" for its run."""
-    monkeypatch.setenv("PREFECT_API_URL", prefect_api)
+    (~6 s each); a test that needs an API of its own sets PREFECT_API_URL="" for its run.
+    The fast tests refuse before any flow runs: they get no API (and start none)."""
+    if not request.node.get_closest_marker("fast"):
+        monkeypatch.setenv("PREFECT_API_URL", request.getfixturevalue("prefect_api"))
 
 
-def run(*args, cwd, env=None):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
-    return subprocess.run([HYBRIDRL, *args], cwd=cwd, env=env, capture_output=True, text=True)
+def run(*args, cwd, env=None, timeout=300):
+    """`hybridrl ARGS` (a driver process, tests/drivers.py); a command still running after
+    `timeout` seconds fails the test."""
+    env = {**PRISTINE_ENV, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
+    if "PREFECT_API_URL" in os.environ and "PREFECT_API_URL" not in env:
+        env["PREFECT_API_URL"] = os.environ["PREFECT_API_URL"]
+    rc, out, err = Driver(list(args), env, cwd, merged=False).wait(timeout)
+    return subprocess.CompletedProcess(["hybridrl", *args], rc, out, err)
 
 
 def test_train_saves_final_policy_and_summary(tmp_path):
@@ -41,6 +51,7 @@ def test_train_saves_final_policy_and_summary(tmp_path):
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -53,13 +64,14 @@ def test_train_saves_final_policy_and_summary(tmp_path):
 )
 def test_train_fails_with_one_line(args, needle):
     root = Path(__file__).parents[1]
-    p = run("train", *args, cwd=root)
+    p = run("train", *args, cwd=root, timeout=FAST)
     assert p.returncode == 1
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and needle in p.stdout.replace("\n", " "), p.stdout + p.stderr
     assert "Traceback" not in p.stdout + p.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -72,17 +84,18 @@ def test_train_fails_with_one_line(args, needle):
 )
 def test_commands_fail_in_seconds_with_one_line(args, needle, tmp_path):
     root = Path(__file__).parents[1]
-    p = run(*args, cwd=root)
+    p = run(*args, cwd=root, timeout=FAST)
     assert p.returncode == 1, p.stdout + p.stderr
     out = p.stdout.replace("\n", " ")
     assert needle in out and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
     assert not Path("/no/such/dir").exists()
 
 
+@pytest.mark.fast
 def test_train_with_a_tracking_server_that_is_down_fails_fast(tmp_path):
     root = Path(__file__).parents[1]
     p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}",
-            "tracking.uri=http://127.0.0.1:1", cwd=root)  # fmt: skip
+            "tracking.uri=http://127.0.0.1:1", cwd=root, timeout=FAST)  # fmt: skip
     assert p.returncode == 1 and "does not answer" in p.stdout, p.stdout + p.stderr
 
 

@@ -11,12 +11,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import PRISTINE_ENV
+from drivers import Driver
+from runs import driver, wait_for
 from test_pool import SIGNAL, cfg  # the pool tests' config for a named pool
-from weights import assert_same_weights
+from weights import assert_same_grad_norms, assert_same_weights
 
 from hybrid_engine.config import load_config
 from hybrid_engine.trainer import Engine, train
@@ -85,6 +87,7 @@ def test_fsdp_across_two_nodes_trains_like_the_local_loop(cluster):
     assert len(set(nodes_of(engine).values())) == 2
     _, hist = train(engine.cfg, engine=engine)
     assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict())
+    assert_same_grad_norms(hist, local_hist, "actor")
     assert [h["critic/score/mean"] for h in hist] == [h["critic/score/mean"] for h in local_hist]
     assert hist[-1]["timing_s/reshard"] > 0
     engine.pool.down(stop_head=False)
@@ -107,20 +110,17 @@ def test_an_unplaceable_pool_is_refused_in_one_line(cluster):
     assert not find_workers("nogpu") and not find_workers("four")
 
 
-def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path):
+def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path, prefect_api):
     from storage.store import check_reach
 
     base = ["trainer.backend=ray", "ray.pool_name=store", "actor.layout.dp=2",
             "ray.placement=strict_spread", "trainer.total_training_steps=1",
             "tracking.enabled=false", "rollout.micro_batch_size=8", SIGNAL]  # fmt: skip
-    env = {**os.environ, **cluster["env"], "PYTHONPATH": str(ROOT / "tests")}
-    run = [sys.executable, "-m", "flows.cli", "train", "configs/grpo_tiny.yaml", *base]
-    refused = subprocess.run([*run, f"storage.root={tmp_path / 'runs'}", "--run-id", "r1"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert refused.returncode == 1, refused.stdout + refused.stderr
-    assert "is a local directory but the pool and this driver are on 2 Ray nodes" in (
-        refused.stdout + refused.stderr
-    )
+    run = ["train", "configs/grpo_tiny.yaml", *base]
+    rc, out = driver([*run, f"storage.root={tmp_path / 'runs'}", "--run-id", "r1"], prefect_api,
+                     extra_env=cluster["env"], timeout=300)  # fmt: skip
+    assert rc == 1, out
+    assert "is a local directory but the pool and this driver are on 2 Ray nodes" in out
     shared = load_config(
         "configs/grpo_tiny.yaml",
         [f"storage.root={tmp_path / 'runs'}", "storage.shared_filesystem=true"],
@@ -146,27 +146,23 @@ def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(clu
             "trainer.save_freq=1", "tracking.enabled=false", "rollout.micro_batch_size=8",
             "pipeline.recovery_delay_s=0", f"storage.root={tmp_path}/runs",
             "storage.shared_filesystem=true", "ray.call_timeout_s=120", SIGNAL]  # fmt: skip
-    env = {**os.environ, **cluster["env"], "PYTHONPATH": str(ROOT / "tests"),
+    env = {**PRISTINE_ENV, **cluster["env"], "PYTHONPATH": str(ROOT / "tests"),
            "PREFECT_API_URL": prefect_api}  # fmt: skip
 
     def run_losing_third(run_id: str, *extra: str) -> subprocess.CompletedProcess:
         ray_cluster.add_local_node("third", 2, {"third": 2})
         flag = tmp_path / f"{run_id}.paused"
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "configs/grpo_tiny.yaml",
-                                 *base, *extra, "--run-id", run_id], cwd=ROOT,
-                                env={**env, "HYBRIDRL_FAULT": f"step-2/reward:start=pause:{flag}"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        args = ["train", "configs/grpo_tiny.yaml", *base, *extra, "--run-id", run_id]
+        proc = Driver(args, {**env, "HYBRIDRL_FAULT": f"step-2/reward:start=pause:{flag}"})
         try:
-            while not flag.exists():
-                assert proc.poll() is None, proc.communicate()[0]
-                time.sleep(0.1)
+            wait_for(flag, proc)
             assert ray_cluster.remove_local_node("third", kill=True)  # the machine is gone
             flag.unlink()
-            out, _ = proc.communicate(timeout=400)
+            rc, out, _ = proc.wait(timeout=400)
         finally:
-            proc.kill()
+            proc.kill_group()
             ray_cluster.remove_local_node("third", kill=True)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+        return subprocess.CompletedProcess(args, rc, out)
 
     moved = run_losing_third("moved", "ray.pool_name=moved", "ray.placement=pack")
     assert moved.returncode == 0, moved.stdout

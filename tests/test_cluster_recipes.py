@@ -411,10 +411,10 @@ SCRIPTS = [CLUSTER / "slurm" / "hybridrl.sbatch", CLUSTER / "prefect" / "join-ra
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_parse_and_pass_shellcheck(path):
-    p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     p = subprocess.run([str(BIN / "shellcheck"), "--shell=bash", str(path)],
-                       capture_output=True, text=True)  # fmt: skip
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stdout
 
 

@@ -2,6 +2,8 @@ import pytest
 
 from hybrid_engine.config import ConfigError, flatten, load_config, parse_overrides
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):

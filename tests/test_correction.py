@@ -13,6 +13,8 @@ from hybrid_engine.algorithms.correction import (
     rollout_is_weights,
 )
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 LN = math.log
 # log pi_old - log pi_rollout; row 0 has a padding position holding a huge ratio
 LOG_RATIO = T([[LN(3.0), LN(0.5), LN(1.5), 50.0], [LN(1.2), LN(1.0), 0.0, 0.0]])

@@ -7,6 +7,8 @@ import pytest
 from hybrid_engine.config import DataConfig
 from hybrid_engine.data import PromptData, file_rows, prompt_batch
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 TASK = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
         "allow_parentheses": False, "allow_negation": False}  # fmt: skip
 

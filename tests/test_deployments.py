@@ -66,8 +66,10 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         assert "evaluate-on-finish" in automations, automations
         # the resumed run gets the deployment's parameters: storage and tracking come from
         # the worker's environment, as on a real worker machine
+        # the worker asks for scheduled runs every second (Prefect's default: every 10 s)
         worker_env = {**env, "HYBRIDRL_STORAGE__ROOT": f"{tmp_path}/runs",
-                      "HYBRIDRL_TRACKING__URI": mlflow_url}  # fmt: skip
+                      "HYBRIDRL_TRACKING__URI": mlflow_url,
+                      "PREFECT_WORKER_QUERY_SECONDS": "1"}  # fmt: skip
         worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "hybridrl",
                                    "--type", "process"], cwd=tmp_path, env=worker_env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -149,4 +151,4 @@ def wait_for_states(api: str, name: str, final: str, timeout_s: float) -> list[s
         states = [r["state"]["name"] for r in json.loads(urllib.request.urlopen(req).read())]
         if final in states or time.monotonic() > deadline:
             return states
-        time.sleep(2)
+        time.sleep(0.5)

@@ -201,7 +201,9 @@ for _ in range(6):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(sum(faults[3:]))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
     faults = int(out.stdout.split()[-1])
     pages = 3 * 660 * 2**20 // resource.getpagesize()  # the last three rounds' memory
     big = 3 * 160 * 2**20 // resource.getpagesize()  # their 160 MB tensors'

@@ -16,6 +16,8 @@ from hybrid_engine.algorithms.advantages import (
     reinforce_plus_plus_baseline,
 )
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 
 def outcome(scores, lengths, width=3):
     """Rewards with each score on the last response token; mask of the given lengths."""

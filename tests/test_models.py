@@ -13,6 +13,8 @@ from hybrid_engine.models import (
     response_log_probs,
 )
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 
 def test_local_directory_policy_and_critic_initialised_from_it(tmp_path, tokenizer):
     tiny = load_policy(ModelConfig(path="tiny"), tokenizer, seed=3)

@@ -155,11 +155,13 @@ def test_packed_forward_respects_interior_zeros(engine, prompts):
     torch.testing.assert_close(ent_p[seen], ent[seen], atol=2e-5, rtol=0)
 
 
+@pytest.mark.fast
 def test_rewards_land_on_the_last_policy_token():
     mask = T([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]], torch.long)
     close(token_level_scores([2.0, 3.0], mask), [[0, 0, 0, 0, 2, 0], [3, 0, 0, 0, 0, 0]])
 
 
+@pytest.mark.fast
 def test_env_rewards_scorer_fallback_and_per_turn_placement():
     from hybrid_engine.batch import Batch
 
@@ -169,7 +171,8 @@ def test_env_rewards_scorer_fallback_and_per_turn_placement():
         "success": [True, None],
     })  # fmt: skip
     scores, acc, tls = multi_turn_scores(batch, {1: 0.25}, per_turn=False)
-    close(scores, [2.0, 0.25]) and close(acc, [1.0, 0.0])
+    close(scores, [2.0, 0.25])
+    close(acc, [1.0, 0.0])
     close(tls, [[0, 0, 0, 2.0, 0], [0.25, 0, 0, 0, 0]])
     scores, _, tls = multi_turn_scores(batch, {1: 0.25}, per_turn=True)
     close(scores, [2.5, 0.25])
@@ -190,6 +193,7 @@ def test_engine_steps_learn_from_multi_turn_trajectories():
     assert val["val/turns/mean"] == 2.0 and "[assistant]" in val["_samples"][0]["response"]
 
 
+@pytest.mark.fast
 def test_feedback_env_says_which_way_and_discounts():
     env = make_environment("feedback", {"turn_discount": 0.5})
     row = {"prompt": [{"role": "user", "content": "2+2?"}], "data_source": "x",
@@ -201,6 +205,7 @@ def test_feedback_env_says_which_way_and_discounts():
     assert env.step("So 4.") == (None, 0.25, True, {"success": True})
 
 
+@pytest.mark.fast
 def test_tool_that_raises_hangs_or_floods_is_an_observation():
     env = make_environment("tools", {"tools": ["env_fns:add", "env_fns:boom", "env_fns:hang",
                                                "env_fns:huge"], "timeout_s": 1.0})  # fmt: skip
@@ -230,6 +235,7 @@ def test_tool_that_raises_hangs_or_floods_is_an_observation():
     assert env.step("The answer is 5.") == (None, 1.0, True, {"success": True, "tool_calls": 0})
 
 
+@pytest.mark.fast
 def test_tool_runner_reports_a_dead_child():
     runner = ToolRunner()
     out, failed = runner.call("os:_exit", {"status": 3}, 5.0, 100)
@@ -244,6 +250,7 @@ def test_calculator_environment_on_the_tiny_model(engine, prompts):
     assert "calculator" in batch["messages"][0][0]["content"]
 
 
+@pytest.mark.fast
 def test_calculator_tool():
     from hybrid_engine.builtin_tools import calculator
 
@@ -252,6 +259,7 @@ def test_calculator_tool():
         calculator("__import__('os')")
 
 
+@pytest.mark.fast
 def test_config_names_the_environment_and_refuses_what_multi_turn_cannot_do():
     with pytest.raises(ConfigError, match="rollout.multi_turn.environment='nope'.*feedback"):
         load_config(PRESET, ["rollout.multi_turn.environment=nope"])

@@ -12,13 +12,12 @@ before a crash is never generated again (its marker and objects stay byte-for-by
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
-from conftest import S3_ENV
+from conftest import PRISTINE_ENV, S3_ENV
+from drivers import Driver
 from runs import (
     ARGS,
     KILLS,
@@ -29,6 +28,7 @@ from runs import (
     final_state,
     fs_for,
     rollout_markers,
+    wait_for,
 )
 
 
@@ -114,9 +114,8 @@ def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, refer
     extra = ["trainer.backend=ray", "ray.pool_name=pipeline", "ray.call_timeout_s=120"]
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT,
-                              env={**os.environ, **env}, capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
+        rc, out = driver(list(args), prefect_api, extra_env=env, timeout=120)
+        return subprocess.CompletedProcess(args, rc, out, "")
 
     status = None
     try:
@@ -169,22 +168,17 @@ def test_s3_outage_mid_write_commits_nothing_and_resume_recovers(tmp_path, prefe
     args = ["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root=s3://{bucket}/runs",
             f"storage.endpoint_url={endpoint}", "storage.timeout_s=2", "storage.retries=1",
             "pipeline.retries=1", "--run-id", "outage"]  # fmt: skip
-    env = {**os.environ, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
+    env = {**PRISTINE_ENV, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
            "PREFECT_API_URL": prefect_api,
            "HYBRIDRL_FAULT": f"step-2/rollout:before_commit=pause:{flag}"}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not flag.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.05)
+    proc = Driver(args, env)
+    wait_for(flag, proc)
     stage = f"{bucket}/runs/outage/steps/2/rollout"
     assert direct.exists(f"{stage}/batch.safetensors")  # objects written ...
     proxy.cut()  # ... and S3 is gone before the marker
     flag.unlink()
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 1, out
+    rc, out, _ = proc.wait(timeout=300)
+    assert rc == 1, out
     assert "error:" in out and "Traceback" not in out
     assert out.count("Task run 'step-2/rollout'") >= 2  # retried before failing
     direct.invalidate_cache()

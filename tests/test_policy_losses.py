@@ -20,6 +20,8 @@ from hybrid_engine.algorithms.losses import (
 )
 from hybrid_engine.models import head_log_probs
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 
 def run(loss_mode, old, d, adv, mask, **kw):
     """policy_loss at logp = old + d; returns its four outputs and d(pg_loss)/d(logp)."""

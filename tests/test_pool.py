@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from weights import assert_same_weights
+from weights import assert_same_grad_norms, assert_same_weights
 
 from hybrid_engine.config import load_config
 from hybrid_engine.trainer import Engine, train
@@ -71,6 +71,7 @@ def test_two_fsdp_ranks_train_like_one_rank_and_like_the_local_loop():
         engine = Engine(cfg(f"eq{dp}", f"actor.layout.dp={dp}"))
         _, hist = train(engine.cfg, engine=engine)
         assert_same_weights(engine.actor.full_state_dict(), expected)
+        assert_same_grad_norms(hist, local_hist, "actor")
         assert [h["critic/score/mean"] for h in hist] == [
             h["critic/score/mean"] for h in local_hist
         ]
@@ -196,7 +197,7 @@ def test_dead_worker_is_named_and_the_pool_is_rebuilt_from_saved_state(tmp_path)
 def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop():
     """Actor FSDP over 2 ranks, critic FSDP over its own 2 ranks, reward model on its own."""
     base = ["reward.model_path=tiny", "rollout.micro_batch_size=2"]
-    local, _ = train(load_config("configs/ppo_tiny.yaml", base))
+    local, local_hist = train(load_config("configs/ppo_tiny.yaml", base))
     engine = Engine(
         load_config(
             "configs/ppo_tiny.yaml",
@@ -216,6 +217,7 @@ def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop
     step = 1e-3
     assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), step / 10)
     assert_same_weights(engine.critic.full_state_dict(), local.critic.model.state_dict(), step / 10)
+    assert_same_grad_norms(hist, local_hist, "actor", "critic")
     assert all(torch.isfinite(torch.tensor(h["critic/vf_loss"])) for h in hist)
     engine.pool.down(stop_head=False)
 
@@ -225,13 +227,15 @@ def test_lora_with_kl_and_rollout_correction_on_one_and_two_ranks_matches_local(
     IS weights reach the workers; an adapter-only checkpoint of 2 ranks loads into 1."""
     extra = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.use_kl_loss=true",
              "algorithm.rollout_correction.level=token"]  # fmt: skip
-    local, _ = train(load_config("configs/grpo_tiny.yaml",
-                                 [SIGNAL, "rollout.micro_batch_size=8", *extra]))  # fmt: skip
+    local, local_hist = train(
+        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8", *extra])
+    )
     expected = local.actor.policy.state_dict()
     for dp in (1, 2):
         engine = Engine(cfg(f"lora{dp}", f"actor.layout.dp={dp}", *extra))
         _, hist = train(engine.cfg, engine=engine)
         assert_same_weights(engine.actor.full_state_dict(), expected, 1e-4)
+        assert_same_grad_norms(hist, local_hist, "actor")
         assert all(torch.isfinite(torch.tensor(h["actor/kl_loss"])) for h in hist if h["step"])
         if dp == 2:
             files = engine.actor.save(str(tmp_path / "lora"))
@@ -254,6 +258,7 @@ def test_multi_turn_rollouts_on_two_ranks_match_the_local_loop():
     engine = Engine(cfg("mt2", "actor.layout.dp=2", *extra))
     _, hist = train(engine.cfg, engine=engine)
     assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), 1e-4)
+    assert_same_grad_norms(hist, local_hist, "actor")
     for h, h_local in zip(hist[1:], local_hist[1:], strict=True):
         assert h["multi_turn/turns/mean"] == 2.0
         assert h["critic/score/mean"] == pytest.approx(h_local["critic/score/mean"], abs=1e-6)

@@ -25,9 +25,9 @@ POOL = ["trainer.backend=ray", "ray.pool_name=recovery", "ray.call_timeout_s=120
 
 
 @pytest.fixture()
-def ray_state(tmp_path):
+def ray_state(tmp_path, prefect_api):
     """The pool's own local head, stopped at the end with nothing left running."""
-    with own_ray_head(tmp_path / "ray", "recovery") as env:
+    with own_ray_head(tmp_path / "ray", "recovery", prefect_api) as env:
         yield env
 
 
@@ -135,15 +135,15 @@ def small_disk(path: Path, megabytes: int):
     """A tmpfs of `megabytes` at `path` (needs the right to mount: root, as CI runs)."""
     path.mkdir()
     got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
-                         capture_output=True, text=True)  # fmt: skip
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
     if got.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {got.stderr.strip()}")
     try:
         yield lambda mb: subprocess.run(
-            ["mount", "-o", f"remount,size={mb}m", str(path)], check=True
+            ["mount", "-o", f"remount,size={mb}m", str(path)], check=True, timeout=60
         )
     finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=60)
 
 
 def test_a_full_disk_fails_the_checkpoint_cleanly_and_keeps_the_older_one(

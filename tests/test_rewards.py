@@ -9,6 +9,8 @@ from hybrid_engine.rewards import (
     token_level_scores,
 )
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 
 def test_extract_answer():
     assert extract_answer("5 + 7 = 12. So the answer is 12.") == "12"

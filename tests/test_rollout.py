@@ -15,6 +15,7 @@ from hybrid_engine.rollout import (
 )
 
 
+@pytest.mark.fast
 def test_response_mask_keeps_first_eos_and_drops_the_rest():
     ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 2, 2, 2]])
     assert response_mask_from_ids(ids, 2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
@@ -95,6 +96,7 @@ def test_decode_greedy_gives_the_tokens_of_generate(setup, tokenizer, n):
     assert stopped[0, : k + 1].tolist() == row0[: k + 1] and (stopped[0, k + 1 :] == pad).all()
 
 
+@pytest.mark.fast
 def test_sample_tokens_draws_from_softmax_and_never_a_cut_token():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05, 0.0]])).expand(40_000, 6)
     torch.manual_seed(0)
@@ -111,6 +113,7 @@ def test_sample_tokens_draws_from_softmax_and_never_a_cut_token():
     assert sample_tokens(logits[:3], greedy=True).tolist() == [0, 0, 0]
 
 
+@pytest.mark.fast
 def test_sample_tokens_across_cdf_blocks():
     """A vocabulary of 700 (not a multiple of the 256-entry blocks) with its mass in three
     blocks: frequencies follow softmax, and tokens of probability 0 are never drawn."""
@@ -126,6 +129,7 @@ def test_sample_tokens_across_cdf_blocks():
     assert freq[probs == 0].sum() == 0
 
 
+@pytest.mark.fast
 def test_inverting_a_cdf_never_lands_past_its_last_increment():
     """A draw that rounding puts at the CDF's total takes the last entry that adds
     probability, not a zero-probability entry after it."""

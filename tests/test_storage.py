@@ -13,6 +13,8 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.config import ConfigError, StorageConfig, load_config
 from storage.store import RunStore, storage_options, validate_run_id
 
+pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
+
 
 def a_batch() -> Batch:
     return Batch({"x": torch.arange(6.0).reshape(2, 3), "ids": torch.tensor([[1, 2], [3, 4]])},

@@ -16,3 +16,16 @@ def assert_same_weights(a: dict, b: dict, outliers_atol: float | None = None) ->
         assert float(diff.max()) <= outliers_atol, (k, float(diff.max()))
         outliers += int((diff > 1e-6).sum())
     assert outliers <= 1e-4 * sum(v.numel() for v in a.values()), outliers
+
+
+def assert_same_grad_norms(hist: list[dict], expected: list[dict], *prefixes: str) -> None:
+    """Per-step `<prefix>/grad_norm` equal to 1e-4 relative. Weights alone cannot show a wrong
+    gradient scale (a world size counted twice): AdamW and clip-by-norm cancel a constant
+    factor; the norm before clipping shows it."""
+    for prefix in prefixes or ("actor",):
+        key = f"{prefix}/grad_norm"
+        got = [h[key] for h in hist if key in h]
+        want = [h[key] for h in expected if key in h]
+        assert len(got) == len(want) > 0, (key, got, want)
+        for step, (g, w) in enumerate(zip(got, want, strict=True), 1):
+            assert abs(g - w) <= 1e-4 * abs(w), f"{key} at step {step}: {g} vs {w}"

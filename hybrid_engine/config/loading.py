@@ -13,7 +13,6 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs
 from hybrid_engine.config.base import ConfigError, Section
 from hybrid_engine.config.root import _YAML_DATA, HybridConfig
 
@@ -217,6 +216,8 @@ _NEEDS = {"values": "a critic", "index": "prompt groups (rollout.n ≥ 2)",
 def registries_reference() -> list[str]:
     """The registered estimators, policy losses and environments as markdown tables, read
     from the registries (with the plugins imported, a user's own appear too)."""
+    from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs
+
     lines = ["", "**algorithm.adv_estimator**: the registered estimators", "",
              "| name | needs | what |", "| --- | --- | --- |"]  # fmt: skip
     for name in sorted(ADV_ESTIMATORS):

@@ -9,7 +9,6 @@ from typing import Any
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from hybrid_engine.algorithms import estimator_needs
 from hybrid_engine.config.infra import (
     PipelineConfig,
     RayConfig,
@@ -29,6 +28,7 @@ from hybrid_engine.config.training import (
     RewardConfig,
     RolloutConfig,
     import_plugins,
+    registered,
 )
 
 
@@ -95,6 +95,8 @@ class HybridConfig(BaseSettings):
     def estimator_needs(self) -> frozenset[str]:
         """What the estimator requires (from its registered signature): "values" (a
         critic), "index" (prompt groups), "reward_baselines" (a greedy rollout)."""
+        from hybrid_engine.algorithms import estimator_needs
+
         return estimator_needs(self.algorithm.adv_estimator)
 
     @property
@@ -135,6 +137,17 @@ class HybridConfig(BaseSettings):
     def separate_rollout(self) -> bool:
         """Generation runs in its own pool group (`ray.rollout=separate`)."""
         return self.trainer.backend == "ray" and self.ray.rollout == "separate"
+
+    @model_validator(mode="after")
+    def _registered_names(self) -> HybridConfig:
+        """Estimator and policy loss by registry. Checked once every key is valid: the
+        registries import torch, which a config error (an unknown key) need not wait for."""
+        from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
+
+        algo, loss = self.algorithm.adv_estimator, self.actor.policy_loss.mode
+        registered("algorithm.adv_estimator", "advantage estimator", algo, ADV_ESTIMATORS)
+        registered("actor.policy_loss.mode", "policy loss", loss, POLICY_LOSSES)
+        return self
 
     @model_validator(mode="after")
     def _asynchronous(self) -> HybridConfig:

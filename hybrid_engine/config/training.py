@@ -8,8 +8,6 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
-from hybrid_engine.algorithms.correction import parse_is_threshold, parse_rejection
 from hybrid_engine.config.base import KLKind, LossAggMode, OptimConfig, Section
 
 
@@ -23,7 +21,7 @@ def import_plugins(modules: list[str]) -> None:
             raise ValueError(f"algorithm.plugins: cannot import {name!r}: {e}") from None
 
 
-def _registered(key: str, kind: str, name: str, registry: dict[str, Any]) -> str:
+def registered(key: str, kind: str, name: str, registry: dict[str, Any]) -> str:
     if name not in registry:
         raise ValueError(
             f"{key}={name!r} is not a registered {kind}; registered: "
@@ -114,11 +112,6 @@ class PolicyLossConfig(Section):
     )
     tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0")
     tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where A <= 0")
-
-    @field_validator("mode")
-    @classmethod
-    def _known_loss(cls, name: str) -> str:
-        return _registered("actor.policy_loss.mode", "policy loss", name, POLICY_LOSSES)
 
 
 class LoraSettings(Section):
@@ -217,7 +210,7 @@ class MultiTurnConfig(Section):
         if ":" in name:
             environment_class(name)  # raises naming the spec when it cannot be loaded
             return name
-        return _registered("rollout.multi_turn.environment", "environment", name, ENVIRONMENTS)
+        return registered("rollout.multi_turn.environment", "environment", name, ENVIRONMENTS)
 
 
 class RolloutConfig(Section):
@@ -338,6 +331,10 @@ class RolloutCorrectionConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutCorrectionConfig:
+        if not self.enabled:
+            return self
+        from hybrid_engine.algorithms.correction import parse_is_threshold, parse_rejection  # torch
+
         if self.level is not None:
             try:
                 parse_is_threshold(self.threshold)
@@ -393,8 +390,3 @@ class AlgorithmConfig(Section):
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
-
-    @field_validator("adv_estimator")
-    @classmethod
-    def _known_estimator(cls, name: str) -> str:
-        return _registered("algorithm.adv_estimator", "advantage estimator", name, ADV_ESTIMATORS)
