@@ -84,8 +84,8 @@ def _act(action: str, name: str, spec: str) -> None:
         sig = signal.SIGKILL if kind == "kill-worker" else signal.SIGSTOP
         pid = worker_pid(worker)
         if delay == "generating":
-            threading.Thread(target=_when_generating, args=(worker, pid, sig, spec),
-                             daemon=True).start()  # fmt: skip
+            args = (worker, pid, sig, spec)
+            threading.Thread(target=_when_generating, args=args, daemon=True).start()
         elif delay:
             threading.Timer(float(delay), os.kill, (pid, sig)).start()
         else:

@@ -23,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+from multiprocessing import forkserver
 from pathlib import Path
+from unittest.mock import patch
 
 ROOT = Path(__file__).parents[1]
 # the server's imports, in this order (hybrid_engine and tasks set Ray's and Prefect's
@@ -50,27 +52,20 @@ def _context(env: dict[str, str]):
     with _lock:
         if _server is None and not env.get("PREFECT_API_URL"):
             return None  # a server is made for the flows' drivers, which share one API
+        wanted = _fixed(env)
         if _server is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(PRELOAD)
-            saved = dict(os.environ)
-            os.environ.clear()
-            os.environ.update({k: v for k, v in env.items() if k != "HYBRIDRL_FAULT"})
-            try:
-                from multiprocessing import forkserver
-
+            base = {k: v for k, v in env.items() if k != "HYBRIDRL_FAULT"}
+            with patch.dict(os.environ, base, clear=True):  # the server inherits this one
                 forkserver.ensure_running()
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
-            _server = (ctx, _fixed(env))
+            _server = (ctx, wanted)
         ctx, fixed = _server
-        if _fixed(env) == fixed:
+        if wanted == fixed:
             return ctx
-        differ = sorted(k for k in {*fixed, *_fixed(env)} if fixed.get(k) != _fixed(env).get(k))
-        print(
-            f"[drivers] a plain subprocess: {differ} differ from the fork server's", file=sys.stderr
-        )
+        differ = sorted(k for k in {*fixed, *wanted} if fixed.get(k) != wanted.get(k))
+        print(f"[drivers] a plain subprocess: {differ} differ from the fork server's",
+              file=sys.stderr)  # fmt: skip
         return None
 
 

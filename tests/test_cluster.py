@@ -7,12 +7,12 @@ declared shared; `hybridrl cluster status` shows the nodes and the workers on th
 unplaceable pool is refused in one line naming what is missing.
 """
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from conftest import PRISTINE_ENV
@@ -39,7 +39,8 @@ def cluster(tmp_path_factory):
     try:  # stopped even when the second node fails to start
         # the head's GCS checks each node every 0.5 s and declares it dead after 3 misses
         # (Ray's defaults: 3 s and 5, ~15 s): a lost node is seen in seconds
-        with scoped_env(RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="3"):
+        health = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "3"}
+        with patch.dict(os.environ, health):
             address = ray_cluster.local_head(start=True, num_cpus=1)
         dirs.append(json.loads((ray_cluster.state_dir() / "head.json").read_text())["temp_dir"])
         dirs.append(ray_cluster.add_local_node("second", 1, {"second": 1})["temp_dir"])
@@ -52,21 +53,6 @@ def cluster(tmp_path_factory):
         else:
             os.environ["HYBRIDRL_RAY_STATE"] = old
     assert not left, f"processes left behind: {left}"
-
-
-@contextlib.contextmanager
-def scoped_env(**values: str):
-    """Variables set in this process's environment for the `with` block only."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def nodes_of(engine) -> dict[str, str]:
