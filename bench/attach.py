@@ -21,13 +21,13 @@ import time
 os.environ.setdefault("HYBRIDRL_RAY_STATE", os.path.join(tempfile.gettempdir(), "hrl-bench-ray"))
 
 from hybrid_engine.config import load_config  # noqa: E402
-from hybrid_engine.pool import Pool, connect, stop_local_head  # noqa: E402
+from hybrid_engine.pool.pool import Pool, connect, stop_local_head  # noqa: E402
 
 DRIVER = """
 import json, time
 t0 = time.perf_counter()
 from hybrid_engine.config import load_config
-from hybrid_engine.pool import Pool, connect
+from hybrid_engine.pool.pool import Pool, connect
 cfg = load_config("configs/grpo_tiny.yaml", {overrides!r})
 t1 = time.perf_counter()
 connect(cfg)

@@ -29,11 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybrid_engine import STAGES
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # servers.py: moto, prefect server, the TCP proxy
 
 BIN = Path(sys.executable).parent
-STAGES = ("rollout", "reward", "advantage", "update")
 COMMON = ["reward.function=reward_fns:length_score", "trainer.save_freq=5",
           "trainer.test_freq=0", "trainer.val_before_train=false",
           "actor.skip_nonfinite_steps=true", "storage.timeout_s=2", "storage.retries=1",
@@ -184,7 +185,7 @@ def down(backend: str, env: dict, bucket: str) -> list[str]:
     none of their own)."""
     import psutil
 
-    from hybrid_engine.ray_cluster import _head_processes
+    from hybrid_engine.pool.cluster import _head_processes
 
     head = Path(env["HYBRIDRL_RAY_STATE"]) / "head.json"
     temp_dir = json.loads(head.read_text())["temp_dir"] if head.is_file() else None

@@ -72,13 +72,14 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     """decode = generate (greedy), fused head = autograd, packed = padded, all on CUDA."""
     from hybrid_engine.config import ModelConfig
     from hybrid_engine.data import prompt_batch
-    from hybrid_engine.models import (
+    from hybrid_engine.models.loading import load_policy
+    from hybrid_engine.models.logprobs import (
         head_log_probs,
-        load_policy,
         packed_response_log_probs,
         response_log_probs,
     )
-    from hybrid_engine.rollout import SamplingParams, decode
+    from hybrid_engine.rollout.base import SamplingParams
+    from hybrid_engine.rollout.hf import decode
 
     out: dict = {}
     model = load_policy(ModelConfig(path="tiny"), tokenizer, seed=0).to(DEVICE)
@@ -143,8 +144,8 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # n
     from hybrid_engine.algorithms.advantages import compute_advantage
     from hybrid_engine.config import load_config
     from hybrid_engine.data import prompt_batch
-    from hybrid_engine.rollout import SamplingParams
-    from hybrid_engine.workers import ActorRolloutRef
+    from hybrid_engine.roles.workers import ActorRolloutRef
+    from hybrid_engine.rollout.base import SamplingParams
 
     rows = prompts * n
     cfg = load_config(str(ROOT / "configs/demo_cpu.yaml"), [
@@ -249,7 +250,7 @@ def main() -> None:
     print(f"[gpu_check] {name} torch {torch.__version__}", flush=True)
     prepare_smollm2_shape(args.assets)
     from hybrid_engine.config import ModelConfig
-    from hybrid_engine.models import load_tokenizer
+    from hybrid_engine.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig())
     report: dict = {"device": name, "torch": torch.__version__}

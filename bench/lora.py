@@ -29,8 +29,8 @@ def one(steps: int, overrides: list[str]) -> dict:
     from safetensors.torch import load_file
 
     from hybrid_engine.config import load_config
+    from hybrid_engine.engine import Engine
     from hybrid_engine.step_metrics import peak_rss_gb
-    from hybrid_engine.trainer import Engine
 
     engine = Engine(load_config("configs/demo_cpu.yaml", overrides))
     times = [engine.step(s)["timing_s/step"] for s in range(1, steps + 1)]

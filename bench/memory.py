@@ -22,8 +22,8 @@ import tempfile
 os.environ.setdefault("HYBRIDRL_RAY_STATE", os.path.join(tempfile.gettempdir(), "hrl-bench-ray"))
 
 from hybrid_engine.config import load_config  # noqa: E402
-from hybrid_engine.pool import stop_local_head  # noqa: E402
-from hybrid_engine.trainer import Engine  # noqa: E402
+from hybrid_engine.engine import Engine  # noqa: E402
+from hybrid_engine.pool.pool import stop_local_head  # noqa: E402
 
 
 def run(model: str, ranks: int, separate: bool, steps: int, overrides: list[str]) -> dict:

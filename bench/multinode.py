@@ -53,7 +53,7 @@ PLACEMENTS = {"one node": "pack", "two nodes": "strict_spread"}
 def run(model: str, steps: int, placement: str | None) -> tuple[dict, list[dict], dict]:
     """Train `steps` steps; placement None = the one-rank in-process reference."""
     from hybrid_engine.config import load_config
-    from hybrid_engine.trainer import Engine, train
+    from hybrid_engine.engine import Engine, train
 
     preset, extra = MODELS[model]
     common = [*extra, f"trainer.total_training_steps={steps}"]
@@ -145,9 +145,9 @@ def main() -> None:
         return
     import ray
 
-    from hybrid_engine import ray_cluster
     from hybrid_engine.config import load_config
-    from hybrid_engine.pool import connect
+    from hybrid_engine.pool import cluster as ray_cluster
+    from hybrid_engine.pool.pool import connect
 
     results: dict[str, Any] = {"cpu": _cpu(), "cores": os.cpu_count(), "steps": args.steps,
                                "models": {}}  # fmt: skip

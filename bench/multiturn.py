@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from hybrid_engine.config import load_config
+from hybrid_engine.engine import Engine
 from hybrid_engine.step_metrics import peak_rss_gb
-from hybrid_engine.trainer import Engine
 
 
 def cpu_model() -> str:
@@ -57,9 +57,12 @@ def measure(engine: Engine, steps: int) -> dict:
 def tool_call_costs(calls: int = 200) -> dict:
     """The tool runner alone: first call (child start + import), then per call, then the
     first call after a timeout killed the child."""
-    from hybrid_engine.envs.tool_runner import ToolRunner
+    from hybrid_engine.rollout.envs.tool_runner import ToolRunner
 
-    calc, args = "hybrid_engine.builtin_tools:calculator", {"expression": "123 * (45 - 6)"}
+    calc, args = (
+        "hybrid_engine.rollout.envs.builtin_tools:calculator",
+        {"expression": "123 * (45 - 6)"},
+    )
     runner = ToolRunner()
     start = time.perf_counter()
     runner.call(calc, args, 5.0, 2000)

@@ -33,13 +33,13 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
     began = time.perf_counter()
     if variant == "loop":
         from hybrid_engine.config import load_config
-        from hybrid_engine.trainer import Engine
+        from hybrid_engine.engine import Engine
 
         engine = Engine(load_config(config, common))
         metrics = {s: engine.step(s) for s in range(1, steps + 1)}
         walls = {s: m["timing_s/step"] for s, m in metrics.items()}
         return {"step_s": walls, "metrics": metrics, "total_s": time.perf_counter() - began}
-    from hybrid_engine.workers import reuse_freed_memory
+    from hybrid_engine.roles.workers import reuse_freed_memory
 
     reuse_freed_memory()  # as `hybridrl train` does before Prefect starts its threads
     from flows.train import train
@@ -55,7 +55,7 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
         result = train(config=config, overrides=common + extra, run_id="bench")
         total = time.perf_counter() - began
         if variant == "flow-ray":
-            from hybrid_engine.pool import down
+            from hybrid_engine.pool.pool import down
 
             down(f"bench-{os.getpid()}")
         rows = history(RunStore(StorageConfig(root=root), "bench"), steps)

@@ -50,11 +50,11 @@ COMMON = ["tracking.enabled=false", "trainer.save_freq=0", "trainer.val_before_t
 
 def child(mode: str, steps: int, test_freq: int) -> None:
     """One run of `steps` steps in this process; prints one JSON record per step."""
-    from hybrid_engine.workers import reuse_freed_memory
+    from hybrid_engine.roles.workers import reuse_freed_memory
 
     reuse_freed_memory()
     from flows.train import train
-    from hybrid_engine.pool import down
+    from hybrid_engine.pool.pool import down
 
     state = tempfile.mkdtemp(prefix="overlap-ray-")
     os.environ["HYBRIDRL_RAY_STATE"] = state

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from hybrid_engine.config import load_config
+from hybrid_engine.engine import Engine, train
 from hybrid_engine.step_metrics import peak_rss_gb
-from hybrid_engine.trainer import Engine, train
 
 ALL = ["grpo", "dr_grpo", "gspo", "cispo", "sapo", "dapo", "lora"]
 

@@ -19,8 +19,9 @@ import torch
 
 from hybrid_engine.config import load_config
 from hybrid_engine.data import PromptData, prompt_batch
-from hybrid_engine.models import load_policy, load_tokenizer
-from hybrid_engine.rollout import HFRollout, SamplingParams, response_mask_from_ids
+from hybrid_engine.models.loading import load_policy, load_tokenizer
+from hybrid_engine.rollout.base import SamplingParams, response_mask_from_ids
+from hybrid_engine.rollout.hf import HFRollout
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ LENGTHS = [16, 32, 64, 128]  # at 32 samples
 
 def measure(samples: int, length: int, steps: int, threads: int) -> dict[str, Any]:
     from hybrid_engine.config import load_config
-    from hybrid_engine.trainer import Engine
+    from hybrid_engine.engine import Engine
 
     cfg = load_config(ROOT / "configs/demo_cpu.yaml", [
         f"data.train_batch_size={samples // SAMPLES_PER_PROMPT}",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 from hybrid_engine.config import load_config
+from hybrid_engine.engine import Engine
 from hybrid_engine.step_metrics import peak_rss_gb
-from hybrid_engine.trainer import Engine
 
 STAGES = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
           "update_actor", "step"]  # fmt: skip

@@ -38,7 +38,7 @@ def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
     if path is None:
-        from hybrid_engine.models import ensure_smollm2
+        from hybrid_engine.models.loading import ensure_smollm2
 
         path = str(ensure_smollm2())
     tok = AutoTokenizer.from_pretrained(path)
@@ -48,7 +48,7 @@ def load_tokenizer(path: str | None):
 
 
 def build_tiny_llama(tokenizer, directory: Path) -> None:
-    from hybrid_engine.models import save_tiny_model
+    from hybrid_engine.models.loading import save_tiny_model
 
     save_tiny_model(VLLM_TINY, tokenizer, directory, seed=0, initializer_range=0.1)
 
@@ -105,8 +105,8 @@ def main() -> int:
 
     import torch
 
-    from hybrid_engine.rollout import SamplingParams
-    from hybrid_engine.rollout_vllm import VLLMRollout
+    from hybrid_engine.rollout.base import SamplingParams
+    from hybrid_engine.rollout.vllm import VLLMRollout
 
     if not torch.cuda.is_available():
         print("FAIL: no CUDA GPU visible; this check needs one", file=sys.stderr)

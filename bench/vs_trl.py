@@ -66,7 +66,7 @@ def emit(record: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- children
 def child_hybridrl(steps: int, threads: int, backend: str) -> None:
     """`steps` steps of the `train` flow; per step: flow wall seconds and the engine's timings."""
-    from hybrid_engine.workers import reuse_freed_memory
+    from hybrid_engine.roles.workers import reuse_freed_memory
 
     reuse_freed_memory()  # as `hybridrl train` does before Prefect starts its threads
     from flows.train import train
@@ -99,9 +99,9 @@ def child_trl(steps: int, threads: int) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from hybrid_engine.data import PromptData
-    from hybrid_engine.models import load_tokenizer, resolve_model_path
+    from hybrid_engine.models.loading import load_tokenizer, resolve_model_path
     from hybrid_engine.rewards import RewardScorer
-    from hybrid_engine.rollout import response_mask_from_ids
+    from hybrid_engine.rollout.base import response_mask_from_ids
 
     data = PromptData(cfg.data)
     rows = [r for s in range(1, steps + 1) for r in data.step_rows(s)]
@@ -164,8 +164,8 @@ def child_generate(threads: int, repeats: int = 3) -> None:
     torch.set_num_threads(threads)
     cfg = demo_config([])
     from hybrid_engine.data import PromptData, prompt_batch
-    from hybrid_engine.models import load_policy, load_tokenizer
-    from hybrid_engine.rollout import response_mask_from_ids
+    from hybrid_engine.models.loading import load_policy, load_tokenizer
+    from hybrid_engine.rollout.base import response_mask_from_ids
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
@@ -217,7 +217,7 @@ def tree_rss(pid: int, extra: Any) -> int:
 
 def ray_processes() -> list[Any]:
     """The local Ray head's processes (its daemons and our workers), if a head is running."""
-    from hybrid_engine import pool
+    from hybrid_engine.pool import pool
 
     state = pool.state_dir() / "head.json"
     if not state.is_file():
@@ -297,7 +297,7 @@ def main() -> None:
 
     from safetensors import safe_open
 
-    from hybrid_engine.models import ensure_smollm2
+    from hybrid_engine.models.loading import ensure_smollm2
 
     with safe_open(ensure_smollm2() / "model.safetensors", "pt") as f:
         params = float(sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()))  # noqa: SIM118

@@ -96,7 +96,7 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
             console.print(f"run id: [bold]{run_id}[/]"
                           + (f" (a fork of {fork_from})" if fork_from else ""))  # fmt: skip
         if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
-            from hybrid_engine.workers import reuse_freed_memory
+            from hybrid_engine.roles.workers import reuse_freed_memory
 
             reuse_freed_memory()
         from flows.train import train as train_flow
@@ -260,7 +260,7 @@ def replay(
     engine = None
     try:
         from flows.opening import resumed_config
-        from hybrid_engine.trainer import Engine
+        from hybrid_engine.engine import Engine
         from storage.store import RunStore, check_reach
         from tasks.replay import STAGE_ORDER, Replayer, audit_run
 
@@ -302,7 +302,7 @@ def replay(
         _fail(e)
     finally:
         if engine is not None and engine.pool is not None:
-            from hybrid_engine.pool import down
+            from hybrid_engine.pool.pool import down
 
             down(engine.cfg.ray.pool_name, stop_head=False)
     if differ:
@@ -338,7 +338,7 @@ def _checked_pool(pool: str) -> str:
 
 def _connect() -> bool:
     from hybrid_engine.config import load_config
-    from hybrid_engine.pool import connect
+    from hybrid_engine.pool.pool import connect
 
     return connect(load_config(None, []), start=False) is not None
 
@@ -349,7 +349,7 @@ def pool_status(pool: PoolName = "default") -> None:
     pool = _checked_pool(pool)  # before Ray and torch are imported: a bad name fails at once
     from rich.table import Table
 
-    from hybrid_engine.pool import pool_status as status
+    from hybrid_engine.pool.pool import pool_status as status
 
     if not _connect():
         console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
@@ -377,7 +377,7 @@ def pool_status(pool: PoolName = "default") -> None:
 def pool_down(pool: PoolName = "default") -> None:
     """Kill the pool's workers; stop the local Ray head if no other pool uses it."""
     pool = _checked_pool(pool)
-    from hybrid_engine.pool import down
+    from hybrid_engine.pool.pool import down
 
     if not _connect():
         console.print("no Ray cluster is running: nothing to stop")

@@ -17,7 +17,7 @@ cluster_app = typer.Typer(help="The Ray cluster: nodes, resources, where the poo
 
 def _connected() -> bool:
     from hybrid_engine.config import load_config
-    from hybrid_engine.ray_cluster import connect
+    from hybrid_engine.pool.cluster import connect
 
     return connect(load_config(None, []), start=False) is not None
 
@@ -26,7 +26,7 @@ def workers_by_node() -> dict[str, list[str]]:
     """node id -> the pool workers on it (`<pool>/<worker>`), every hybridrl pool."""
     import ray
 
-    from hybrid_engine.pool import pool_status
+    from hybrid_engine.pool.pool import pool_status
 
     pools = sorted({a["namespace"].removeprefix("hybridrl-")
                     for a in ray.util.list_named_actors(all_namespaces=True)
@@ -76,7 +76,7 @@ def status() -> None:
 @cluster_app.command("up")
 def up(num_cpus: Annotated[int, typer.Option(help="CPUs the head offers")] = 16) -> None:
     """Start the local Ray head (127.0.0.1) if none is running."""
-    from hybrid_engine.ray_cluster import local_head
+    from hybrid_engine.pool.cluster import local_head
 
     try:
         console.print(f"local head at {local_head(start=True, num_cpus=num_cpus)}")
@@ -91,7 +91,7 @@ def add_node(
     resources: Annotated[str, typer.Option(help='custom resources, JSON: {"trainer": 1}')] = "{}",
 ) -> None:
     """Add a node to the local head's cluster: its own raylet on this machine."""
-    from hybrid_engine.ray_cluster import add_local_node
+    from hybrid_engine.pool.cluster import add_local_node
 
     try:
         extra = json.loads(resources)
@@ -111,7 +111,7 @@ def remove_node(
     kill: Annotated[bool, typer.Option(help="SIGKILL, as a lost machine")] = False,
 ) -> None:
     """Stop a node `add-node` started, with the pool workers on it."""
-    from hybrid_engine.ray_cluster import remove_local_node
+    from hybrid_engine.pool.cluster import remove_local_node
 
     if not remove_local_node(name, kill=kill):
         fail(ValueError(f"no local node named {name!r}"))
@@ -121,6 +121,6 @@ def remove_node(
 @cluster_app.command("down")
 def down() -> None:
     """Stop the local head and every node added to it (the pools on them die with them)."""
-    from hybrid_engine.ray_cluster import stop_local_head
+    from hybrid_engine.pool.cluster import stop_local_head
 
     console.print("local cluster stopped" if stop_local_head() else "no local head is running")

@@ -138,7 +138,7 @@ def runs_tree(run_id: str, storage_root: StorageRoot = None) -> None:
     fork point and what the fork changed. Read from storage (run.json of each run)."""
     from rich.tree import Tree
 
-    from storage.lineage import runs_under
+    from storage.runs import runs_under
 
     runs = runs_under(_storage(storage_root))
     if run_id not in runs:
@@ -175,7 +175,7 @@ def runs_delete(
     """Delete a run's stored stages, checkpoints and final policy, except what its forks
     still reference (kept, and removed with the last fork that uses it); its MLflow run is
     marked deleted. A deleted run cannot be resumed or forked."""
-    from storage.lineage import delete_run
+    from storage.runs import delete_run
     from storage.store import RunStore
 
     cfg = _storage(storage_root)

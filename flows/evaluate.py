@@ -21,8 +21,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from hybrid_engine.config import HybridConfig, StorageConfig, config_from_dict
+from hybrid_engine.engine import Engine
 from hybrid_engine.evaluation import evaluate_policy
-from hybrid_engine.trainer import Engine
 from storage.store import RunStore
 from storage.tracking import client_for
 from storage.tracking import tracking_uri as default_tracking_uri

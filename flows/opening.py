@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_engine import STAGES
 from hybrid_engine.config import (
     ConfigError,
     HybridConfig,
@@ -26,7 +27,7 @@ from hybrid_engine.config import (
     load_config,
     redacted_keys,
 )
-from storage.lineage import STAGES, ForkPoint, fork_manifest
+from storage.lineage import ForkPoint, fork_manifest
 from storage.store import RunStore, new_run_id, validate_run_id
 
 # What a resumed run may change: where things live and run, not what is computed.

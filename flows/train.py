@@ -35,9 +35,9 @@ from prefect.states import Cancelled
 
 from flows.opening import open_run
 from hybrid_engine.config import HybridConfig, redact
-from hybrid_engine.pool import CallsAbandoned, WorkerLostError
+from hybrid_engine.engine import Engine
+from hybrid_engine.pool.group import CallsAbandoned, WorkerLostError
 from hybrid_engine.staleness import rollout_version
-from hybrid_engine.trainer import Engine
 from storage.faults import fault_point
 from storage.final import history
 from storage.store import RunStore, check_reach
@@ -306,7 +306,7 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     except WorkerLostError as e:
         get_run_logger().warning("pool %r is broken (%s): removing it and starting a new one",
                                  cfg.ray.pool_name, e)  # fmt: skip
-        from hybrid_engine.pool import down
+        from hybrid_engine.pool.pool import down
 
         down(cfg.ray.pool_name, stop_head=False)
         engine = Engine(cfg, reset_pool=not resume)

@@ -11,12 +11,16 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"
 for _key, _value in RAY_ENV.items():
     os.environ.setdefault(_key, _value)
 
-__all__ = ["Batch", "ConfigError", "HybridConfig", "load_config"]
+# A training step's four stages, in their order: the pipeline's tasks, the stage state's
+# directories (steps/<N>/<stage>) and every listing of stages come from this constant.
+STAGES = ("rollout", "reward", "advantage", "update")
+
+__all__ = ["STAGES", "Batch", "ConfigError", "HybridConfig", "load_config"]
 
 
 def __getattr__(name: str) -> object:
     """The package's names, imported on first use: a process that needs one light module
-    (the tool runner's child imports `hybrid_engine.builtin_tools`) does not load torch."""
+    (the tool runner's child imports `hybrid_engine.rollout.envs.builtin_tools`) does not load torch."""
     if name == "Batch":
         from hybrid_engine.batch import Batch
 

@@ -23,7 +23,7 @@ import torch
 
 from hybrid_engine.data import prompt_batch
 from hybrid_engine.rewards import extract_answer
-from hybrid_engine.rollout import SamplingParams
+from hybrid_engine.rollout.base import SamplingParams
 
 EVAL_SEED_STEP = -2  # validation uses -1: a seed of its own
 
@@ -31,7 +31,7 @@ EVAL_SEED_STEP = -2  # validation uses -1: a seed of its own
 @torch.no_grad()
 def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     """`eval/*` metrics of the policy `engine.actor` holds, on `engine.data.val`."""
-    from hybrid_engine.trainer import step_seed
+    from hybrid_engine.engine import step_seed
 
     cfg, rows = engine.cfg, engine.data.val
     if not rows:

@@ -16,4 +16,4 @@ if [ ! -f "$stamp" ]; then
   rm -f "$venv"/.installed-*
   touch "$stamp"
 fi
-echo "[setup] SmolLM2-135M-Instruct cached at $(HF_HUB_OFFLINE=1 "$venv/bin/python" -m hybrid_engine.models 2>/dev/null | tail -n 1)"
+echo "[setup] SmolLM2-135M-Instruct cached at $(HF_HUB_OFFLINE=1 "$venv/bin/python" -m hybrid_engine.models.loading 2>/dev/null | tail -n 1)"

@@ -13,7 +13,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybrid_engine.config import HybridConfig, redact
-from hybrid_engine.lora import adapter_files, lora_config
+from hybrid_engine.models.lora import adapter_files, lora_config
 from storage.store import RunStore
 
 FINAL = "final"

@@ -29,9 +29,10 @@ from typing import Any
 
 import psutil
 
+from hybrid_engine import STAGES
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.pool import STOPPING, WorkerLostError
-from hybrid_engine.trainer import Engine
+from hybrid_engine.engine import Engine
+from hybrid_engine.pool.group import STOPPING, WorkerLostError
 from storage.store import RunStore, critical
 
 log = logging.getLogger("hybridrl.recovery")
@@ -79,7 +80,7 @@ class StageClock:
     def seed(self, store: RunStore, step: int) -> None:
         """Stages without a wall time in this process (a resumed run) take those stored
         with the committed stages of the five steps before `step`."""
-        for stage in ("rollout", "reward", "advantage", "update", "validate"):
+        for stage in (*STAGES, "validate"):
             if self.walls[stage]:
                 continue
             for s in range(max(0, step - 5), step):

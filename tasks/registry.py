@@ -63,7 +63,7 @@ def register_final(cfg: HybridConfig, store: RunStore) -> dict[str, str] | None:
 def register_checkpoint(cfg: HybridConfig, store: RunStore, step: int) -> Any:
     """Checkpoint step_N's policy as a model version (`hybridrl register RUN --step N`)."""
     from hybrid_engine.config import config_from_dict
-    from hybrid_engine.trainer import Engine
+    from hybrid_engine.engine import Engine
     from storage.registry import register
     from tasks.checkpoint import load_checkpoint
 

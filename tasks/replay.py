@@ -29,13 +29,14 @@ from typing import Any
 
 import torch
 
+from hybrid_engine import STAGES
 from hybrid_engine.batch import Batch
+from hybrid_engine.engine import Engine
 from hybrid_engine.staleness import rollout_version
-from hybrid_engine.trainer import Engine
 from storage.store import RunStore
 from tasks.checkpoint import last_committed_update, load_checkpoint, save_checkpoint
 
-STAGE_ORDER = ("rollout", "reward", "advantage", "update", "validate")
+STAGE_ORDER = (*STAGES, "validate")
 VOLATILE = ("timing_s/", "perf/", "_")  # wall times, speeds, memory: not part of the result
 
 

@@ -17,7 +17,7 @@ PRISTINE_ENV = dict(os.environ)
 @pytest.fixture(scope="session")
 def tokenizer():
     from hybrid_engine.config import ModelConfig
-    from hybrid_engine.models import load_tokenizer
+    from hybrid_engine.models.loading import load_tokenizer
 
     return load_tokenizer(ModelConfig(path="tiny"))
 

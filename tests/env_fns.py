@@ -3,7 +3,7 @@ tools as `env_fns:<function>`)."""
 
 import time
 
-from hybrid_engine.envs import Environment, Step
+from hybrid_engine.rollout.envs import Environment, Step
 
 
 class TwoTurns(Environment):

@@ -57,7 +57,7 @@ def driver(args: list[str], prefect_api: str, fault: str | None = None, extra_en
 def own_ray_head(state: Path, pool_name: str, prefect_api: str):
     """A pool on its own local head (state dir `state`): yields the drivers' environment;
     afterwards `pool down`, and nothing of the head may be left running."""
-    from hybrid_engine import pool
+    from hybrid_engine.pool import pool
 
     env = {"HYBRIDRL_RAY_STATE": str(state)}
     yield env

@@ -193,7 +193,7 @@ def test_register_custom_estimator_gets_only_its_parameters():
         )
         close(adv, [[0.25, 0.25]])
     finally:
-        ADV_ESTIMATORS.pop("_test_const")
+        ADV_ESTIMATORS.unregister("_test_const")
 
 
 # --------------------------------------------------------------------------- losses

@@ -74,9 +74,9 @@ def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
     from test_engine import SIGNAL
 
     from hybrid_engine.data import prompt_batch
-    from hybrid_engine.replica import RolloutReplica
-    from hybrid_engine.rollout import SamplingParams
-    from hybrid_engine.trainer import Engine
+    from hybrid_engine.engine import Engine
+    from hybrid_engine.pool.replica import RolloutReplica
+    from hybrid_engine.rollout.base import SamplingParams
 
     cfg = load_config("configs/grpo_tiny.yaml", [SIGNAL, "actor.optim.lr=1e-2", *extra])
     engine = Engine(cfg)

@@ -22,7 +22,7 @@ from test_pool import SIGNAL, cfg  # the pool tests' config for a named pool
 from weights import assert_same_grad_norms, assert_same_weights
 
 from hybrid_engine.config import load_config
-from hybrid_engine.trainer import Engine, train
+from hybrid_engine.engine import Engine, train
 
 ROOT = Path(__file__).parents[1]
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).parents[1]
 def cluster(tmp_path_factory):
     """Head (1 CPU) + node "second" (1 CPU, custom resource `second`) on 127.0.0.1; both
     stopped at the end, and none of their processes may survive."""
-    from hybrid_engine import ray_cluster
+    from hybrid_engine.pool import cluster as ray_cluster
 
     old = os.environ.get("HYBRIDRL_RAY_STATE")
     os.environ["HYBRIDRL_RAY_STATE"] = str(tmp_path_factory.mktemp("raystate"))
@@ -99,7 +99,7 @@ def test_fsdp_across_two_nodes_trains_like_the_local_loop(cluster):
 
 
 def test_an_unplaceable_pool_is_refused_in_one_line(cluster):
-    from hybrid_engine.pool import PoolError, find_workers
+    from hybrid_engine.pool.pool import PoolError, find_workers
 
     with pytest.raises(PoolError, match=r"no alive node has gpu_box=1"):
         Engine(cfg("nogpu", "ray.actor_resources={gpu_box: 1}"))
@@ -133,7 +133,7 @@ def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path, 
     check_reach(shared.storage, {"a", "b"})  # declared mounted on every node
     cfg_ = load_config("configs/grpo_tiny.yaml", ["storage.root=s3://bucket/x"])
     check_reach(cfg_.storage, {"a", "b"})  # an object store is seen by every node
-    from hybrid_engine.pool import connect, down
+    from hybrid_engine.pool.pool import connect, down
 
     connect(cfg("store"), start=False)
     down("store", stop_head=False)
@@ -145,7 +145,7 @@ def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(clu
     SIGKILLed in step 2: the recovery re-creates the pool on the head and "second" (one rank
     each) and the run ends with the weights of the run without a fault. A pool pinned to
     `third` loses its only node: the re-creation is refused in one line naming it."""
-    from hybrid_engine import ray_cluster
+    from hybrid_engine.pool import cluster as ray_cluster
 
     base = ["trainer.backend=ray", "actor.layout.dp=2", "trainer.total_training_steps=2",
             "trainer.save_freq=1", "tracking.enabled=false", "rollout.micro_batch_size=8",
@@ -186,7 +186,7 @@ def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(clu
     assert "no alive node has third=1" in line, pinned.stdout
     import ray
 
-    from hybrid_engine.pool import connect, down, pool_status
+    from hybrid_engine.pool.pool import connect, down, pool_status
 
     connect(cfg("moved"), start=False)
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}  # the head and "second"

@@ -343,8 +343,8 @@ def test_each_training_fits_its_raycluster(name):
     Job's namespace, running the Job's image; the actor ranks (each needing
     ray.num_cpus_per_rank, ray.num_gpus_per_rank and ray.actor_resources) fit the pods
     of its worker groups by the pool's own placement check."""
-    from hybrid_engine import placement
     from hybrid_engine.config import load_config
+    from hybrid_engine.pool import placement
 
     d = deployment(name)
     jv = d["work_pool"]["job_variables"]

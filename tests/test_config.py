@@ -127,10 +127,9 @@ def test_readme_holds_the_generated_reference_with_a_meaning_for_every_key():
     assert keys == set(flatten(HybridConfig())), "every key, once"
     assert all(r[3].strip(" |") for r in rows if "." in r[0])
     names = {r[0].strip("| `") for r in rows if "." not in r[0]}
-    from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
-    from hybrid_engine.envs import ENVIRONMENTS
+    from hybrid_engine.registry import REGISTRIES
 
-    registered = set(ADV_ESTIMATORS) | set(POLICY_LOSSES) | set(ENVIRONMENTS)
+    registered = set().union(*(set(r) for r in REGISTRIES))
     assert names == registered, "the registries, read not typed"
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
+from hybrid_engine.pool.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 

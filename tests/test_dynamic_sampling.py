@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hybrid_engine.config import load_config
-from hybrid_engine.dynamic_sampling import DynamicSamplingExhausted, concat_rollouts
-from hybrid_engine.trainer import Engine
+from hybrid_engine.engine import Engine
+from hybrid_engine.rollout.dynamic_sampling import DynamicSamplingExhausted, concat_rollouts
 
 ON = ["reward.function=reward_fns:half_solved", "algorithm.filter_groups.enabled=true"]
 

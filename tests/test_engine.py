@@ -10,7 +10,7 @@ import torch
 from weights import assert_same_weights
 
 from hybrid_engine.config import load_config
-from hybrid_engine.trainer import Engine, train
+from hybrid_engine.engine import Engine, train
 
 # A reward that varies across random completions, so every group has a learning signal.
 SIGNAL = "reward.function=reward_fns:length_score"
@@ -157,7 +157,7 @@ def test_overlong_penalty_lowers_the_rewards_of_long_responses():
 
 def test_rollout_shares_the_training_weights_at_one_rank(tokenizer):
     """Zero copy: the rollout module's parameters are the training parameters' storage."""
-    from hybrid_engine.workers import ActorRolloutRef
+    from hybrid_engine.roles.workers import ActorRolloutRef
 
     engine = Engine(load_config("configs/grpo_tiny.yaml", [SIGNAL]))
     actor = engine.actor
@@ -189,7 +189,7 @@ def test_reuse_freed_memory_stops_page_faults_on_reallocation(reuse):
     the first reuse the pages."""
     code = f"""
 import resource, torch
-from hybrid_engine.workers import reuse_freed_memory
+from hybrid_engine.roles.workers import reuse_freed_memory
 if {reuse}:
     assert reuse_freed_memory()
 faults = []

@@ -6,15 +6,14 @@ import torch
 from hand import T, close
 
 from hybrid_engine.algorithms.advantages import (
-    ADV_ESTIMATORS,
     compute_advantage,
     estimator_needs,
     gpg,
     grpo_passk,
     opo,
-    register_adv_estimator,
     reinforce_plus_plus_baseline,
 )
+from hybrid_engine.registry import ADV_ESTIMATORS
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 
@@ -81,7 +80,7 @@ def test_needs_come_from_the_registered_signature():
         assert estimator_needs(name) == {"index"}, name
     assert estimator_needs("reinforce_plus_plus") == frozenset()
 
-    @register_adv_estimator("_test_critic_baseline")
+    @ADV_ESTIMATORS.register("_test_critic_baseline")
     def critic_baseline(token_level_rewards, response_mask, values):
         adv = (token_level_rewards - values) * response_mask
         return adv, adv
@@ -92,4 +91,4 @@ def test_needs_come_from_the_registered_signature():
                                    response_mask=T([[1, 0]]), values=T([[0.25, 0.0]]))  # fmt: skip
         close(adv, [[0.75, 0.0]])
     finally:
-        ADV_ESTIMATORS.pop("_test_critic_baseline")
+        ADV_ESTIMATORS.unregister("_test_critic_baseline")

@@ -14,8 +14,9 @@ import pytest
 import torch
 from runs import ARGS, assert_same_run, driver, final_state, fs_for
 
+from hybrid_engine import STAGES
 from hybrid_engine.config import StorageConfig, load_config
-from storage.lineage import STAGES, ForkPoint
+from storage.lineage import ForkPoint
 from storage.store import RunStore
 
 
@@ -168,7 +169,7 @@ def test_a_fork_that_changes_the_update_starts_from_the_parents_weights_made_wit
     from safetensors.torch import load as st_load
 
     from hybrid_engine.config import config_from_dict
-    from hybrid_engine.trainer import Engine
+    from hybrid_engine.engine import Engine
     from tasks.replay import Replayer
 
     root, _ = reference_run

@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 from test_engine import SIGNAL, params
 
 from hybrid_engine.config import load_config
-from hybrid_engine.lora import adapter_files, lora_config
-from hybrid_engine.models import load_policy, response_log_probs
-from hybrid_engine.trainer import Engine
+from hybrid_engine.engine import Engine
+from hybrid_engine.models.loading import load_policy
+from hybrid_engine.models.logprobs import response_log_probs
+from hybrid_engine.models.lora import adapter_files, lora_config
 
 LORA = [SIGNAL, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2"]
 

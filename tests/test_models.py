@@ -4,14 +4,8 @@ import pytest
 import torch
 
 from hybrid_engine.config import ModelConfig
-from hybrid_engine.models import (
-    head_log_probs,
-    load_critic,
-    load_policy,
-    position_ids_from_mask,
-    resolve_model_path,
-    response_log_probs,
-)
+from hybrid_engine.models.loading import load_critic, load_policy, resolve_model_path
+from hybrid_engine.models.logprobs import head_log_probs, position_ids_from_mask, response_log_probs
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 

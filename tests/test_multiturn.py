@@ -10,13 +10,13 @@ from hand import T, close
 from hybrid_engine.algorithms import POLICY_LOSSES
 from hybrid_engine.algorithms.losses import policy_loss
 from hybrid_engine.config import ConfigError, load_config
-from hybrid_engine.envs import make_environment
-from hybrid_engine.envs.tool_runner import ToolRunner
-from hybrid_engine.models import packed_response_log_probs, response_log_probs
-from hybrid_engine.multiturn import multi_turn_rollout, multi_turn_scores
+from hybrid_engine.engine import Engine
+from hybrid_engine.models.logprobs import packed_response_log_probs, response_log_probs
 from hybrid_engine.rewards import token_level_scores
-from hybrid_engine.rollout import SamplingParams
-from hybrid_engine.trainer import Engine
+from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.envs import make_environment
+from hybrid_engine.rollout.envs.tool_runner import ToolRunner
+from hybrid_engine.rollout.multiturn import multi_turn_rollout, multi_turn_scores
 
 PRESET = "configs/multiturn_tiny.yaml"
 
@@ -252,7 +252,7 @@ def test_calculator_environment_on_the_tiny_model(engine, prompts):
 
 @pytest.mark.fast
 def test_calculator_tool():
-    from hybrid_engine.builtin_tools import calculator
+    from hybrid_engine.rollout.envs.builtin_tools import calculator
 
     assert calculator("12 * (3 + 4) - 2 ** 3") == "76" and calculator("7 / 2") == "3.5"
     with pytest.raises(ValueError, match="not arithmetic"):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from hybrid_engine.config import load_config
-from hybrid_engine.trainer import Engine
-from hybrid_engine.updates import NonFiniteUpdate
+from hybrid_engine.engine import Engine
+from hybrid_engine.roles.updates import NonFiniteUpdate
 
 NAN = ["algorithm.plugins=[plugin_nan]", "actor.policy_loss.mode=plugin_nan",
        "reward.function=reward_fns:length_score"]  # fmt: skip

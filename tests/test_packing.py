@@ -4,7 +4,8 @@ batch's, values and gradients, on a tiny model."""
 import torch
 
 from hybrid_engine.config import ModelConfig
-from hybrid_engine.models import load_policy, packed_response_log_probs, response_log_probs
+from hybrid_engine.models.loading import load_policy
+from hybrid_engine.models.logprobs import packed_response_log_probs, response_log_probs
 
 
 def grpo_like_batch(pad: int, eos: int) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -108,7 +108,7 @@ def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, refer
     3, the next driver finds the pool holding this run's version 2 and re-attaches (nothing
     loaded); killed in step 4's update, the pool went on to version 4 without a commit, so
     the next driver loads checkpoint step_2 into the pool and replays step 3."""
-    from hybrid_engine import pool
+    from hybrid_engine.pool import pool
 
     env = {"HYBRIDRL_RAY_STATE": str(tmp_path / "ray")}
     extra = ["trainer.backend=ray", "ray.pool_name=pipeline", "ray.call_timeout_s=120"]

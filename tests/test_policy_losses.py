@@ -10,7 +10,6 @@ import torch
 from hand import T, close
 
 from hybrid_engine.algorithms.losses import (
-    POLICY_LOSSES,
     agg_loss,
     entropy_from_logits,
     get_policy_loss,
@@ -18,7 +17,8 @@ from hybrid_engine.algorithms.losses import (
     policy_loss,
     register_policy_loss,
 )
-from hybrid_engine.models import head_log_probs
+from hybrid_engine.models.logprobs import head_log_probs
+from hybrid_engine.registry import POLICY_LOSSES
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 
@@ -169,7 +169,7 @@ def test_registry_is_the_source_of_loss_names_and_aggregation():
         close(loss, 4.0)
         close(grad, [[-1.0, -1.0]])
     finally:
-        POLICY_LOSSES.pop("_test_double")
+        POLICY_LOSSES.unregister("_test_double")
 
 
 def test_entropy_reference_agrees_with_the_fused_head():

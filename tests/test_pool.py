@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from weights import assert_same_grad_norms, assert_same_weights
 
 from hybrid_engine.config import load_config
-from hybrid_engine.trainer import Engine, train
+from hybrid_engine.engine import Engine, train
 
 SIGNAL = "reward.function=reward_fns:length_score"
 
@@ -38,7 +38,7 @@ HEADS: set[str] = set()  # temp dirs of the heads these tests ran on
 @pytest.fixture(scope="module", autouse=True)
 def ray_head(tmp_path_factory):
     """A head of our own (its own state dir), stopped at the end; nothing may survive it."""
-    from hybrid_engine import pool
+    from hybrid_engine.pool import pool
 
     old = os.environ.get("HYBRIDRL_RAY_STATE")
     os.environ["HYBRIDRL_RAY_STATE"] = str(tmp_path_factory.mktemp("raystate"))
@@ -54,7 +54,7 @@ def ray_head(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def note_head():
-    from hybrid_engine import pool
+    from hybrid_engine.pool import pool
 
     yield
     state = pool.state_dir() / "head.json"
@@ -100,14 +100,14 @@ def test_second_driver_reattaches_to_the_same_workers_and_weights():
     pid = engine.pool.status()[0]["pid"]
     script = (
         "import json, sys; sys.path.insert(0, 'tests')\n"
-        "from hybrid_engine.pool import Pool\n"
+        "from hybrid_engine.pool.pool import Pool\n"
         "from test_pool import cfg\n"
         "p = Pool.up(cfg('attach'))\n"
         "w = p.status()[0]\n"
         "print(json.dumps({'created': p.created, 'attach_s': p.attach_seconds, "
         "'version': w['weights_version'], 'pid': w['pid']}))\n"
     )
-    from hybrid_engine import pool
+    from hybrid_engine.pool import pool
 
     # the second driver finds the cluster through RAY_ADDRESS, as on an existing cluster
     address = json.loads((pool.state_dir() / "head.json").read_text())["address"]
@@ -126,7 +126,7 @@ def test_second_driver_reattaches_to_the_same_workers_and_weights():
     assert status.returncode == 0, status.stderr
     assert "actor-0" in status.stdout and str(pid) in status.stdout and "ok" in status.stdout
 
-    from hybrid_engine.pool import PoolError
+    from hybrid_engine.pool.pool import PoolError
 
     with pytest.raises(PoolError, match="built for another config.*model"):
         Engine(cfg("attach", "model.tiny.hidden_size=32"))
@@ -169,7 +169,7 @@ def test_state_round_trip_resumes_exactly_and_across_layouts(tmp_path):
 
 
 def test_dead_worker_is_named_and_the_pool_is_rebuilt_from_saved_state(tmp_path):
-    from hybrid_engine.pool import WorkerDiedError
+    from hybrid_engine.pool.group import WorkerDiedError
 
     engine = Engine(cfg("dead", "actor.layout.dp=2"))
     engine.step(1)

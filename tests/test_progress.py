@@ -10,8 +10,9 @@ from rich.console import Console
 
 from flows.display import LiveDisplay
 from hybrid_engine.batch import Batch
-from hybrid_engine.models import load_policy
-from hybrid_engine.rollout import HFRollout, SamplingParams
+from hybrid_engine.models.loading import load_policy
+from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.hf import HFRollout
 from tasks.progress import listening
 
 

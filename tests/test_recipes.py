@@ -9,7 +9,7 @@ import torch
 from test_engine import SIGNAL, assert_all_changed, params
 
 from hybrid_engine.config import load_config
-from hybrid_engine.trainer import Engine, train
+from hybrid_engine.engine import Engine, train
 
 
 @pytest.mark.parametrize("mode", ["gspo", "cispo", "sapo", "geo_mean", "gpg"])

@@ -3,16 +3,9 @@ import torch
 
 from hybrid_engine.config import ModelConfig
 from hybrid_engine.data import prompt_batch
-from hybrid_engine.models import load_policy
-from hybrid_engine.rollout import (
-    HFRollout,
-    SamplingParams,
-    _invert,
-    decode,
-    logits_warpers,
-    response_mask_from_ids,
-    sample_tokens,
-)
+from hybrid_engine.models.loading import load_policy
+from hybrid_engine.rollout.base import SamplingParams, response_mask_from_ids
+from hybrid_engine.rollout.hf import HFRollout, _invert, decode, logits_warpers, sample_tokens
 
 
 @pytest.mark.fast

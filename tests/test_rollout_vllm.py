@@ -13,8 +13,8 @@ import torch
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import ModelConfig, TinyModelConfig
-from hybrid_engine.rollout import SamplingParams
-from hybrid_engine.rollout_vllm import (
+from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.vllm import (
     VLLMRollout,
     assemble_outputs,
     sampled_logprobs,
@@ -135,7 +135,7 @@ def engine(tmp_path_factory, tokenizer):
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from hybrid_engine.models import save_tiny_model
+    from hybrid_engine.models.loading import save_tiny_model
 
     path = tmp_path_factory.mktemp("tiny_llama")
     model = save_tiny_model(VLLM_TINY, tokenizer, path, seed=0, initializer_range=0.1)

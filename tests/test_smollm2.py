@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hybrid_engine.config import load_config
-from hybrid_engine.models import ensure_smollm2
-from hybrid_engine.trainer import Engine
+from hybrid_engine.engine import Engine
+from hybrid_engine.models.loading import ensure_smollm2
 
 
 def test_smollm2_one_tiny_step():

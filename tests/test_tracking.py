@@ -101,7 +101,7 @@ def test_runs_list_show_compare(tmp_path):
 
 
 def test_multi_turn_generations_show_as_conversations(setup, tmp_path):
-    from hybrid_engine.trainer import Engine
+    from hybrid_engine.engine import Engine
 
     cfg, store, client = setup
     engine = Engine(load_config("configs/multiturn_tiny.yaml"))

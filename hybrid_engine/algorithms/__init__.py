@@ -1,22 +1,17 @@
 """RL algorithm pieces as pure tensor functions: advantage estimators (``advantages``),
-policy and value losses and the entropy reference (``losses``), KL penalties (``kl``),
-train/rollout mismatch correction (``correction``), masked statistics (``utils``).
+policy and value losses, loss aggregation and the entropy reference (``losses``), KL
+estimators and controllers (``kl``), train/rollout mismatch correction (``correction``),
+masked statistics (``utils``).
 
-The two registries, ``ADV_ESTIMATORS`` and ``POLICY_LOSSES``, are the one source of the names
-the config accepts, of what the engine builds for an estimator, and of the README's lists."""
+Each kind is registered by name in a registry of ``hybrid_engine.registry`` (the one source
+of the names the config accepts, of what the engine builds for an estimator, and of the
+reference docs). The plugin spellings stay importable from here."""
 
-from hybrid_engine.algorithms.advantages import (
-    ADV_ESTIMATORS,
-    estimator_needs,
-    get_adv_estimator,
-    register_adv_estimator,
-)
-from hybrid_engine.algorithms.losses import (
-    POLICY_LOSSES,
-    get_policy_loss,
-    loss_aggregation,
-    register_policy_loss,
-)
+from hybrid_engine.algorithms.advantages import estimator_needs, get_adv_estimator
+from hybrid_engine.algorithms.losses import get_policy_loss, loss_aggregation, register_policy_loss
+from hybrid_engine.registry import ADV_ESTIMATORS, POLICY_LOSSES
+
+register_adv_estimator = ADV_ESTIMATORS.register
 
 __all__ = [
     "ADV_ESTIMATORS",

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 from hybrid_engine.algorithms.utils import masked_mean, masked_var, masked_whiten
+from hybrid_engine.registry import ADV_ESTIMATORS, ESTIMATOR_INPUTS, estimator_needs
 
 __all__ = [
-    "ADV_ESTIMATORS",
-    "UnknownAdvEstimatorError",
     "compute_advantage",
     "estimator_needs",
     "gae",
@@ -37,7 +36,6 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "opo",
-    "register_adv_estimator",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
@@ -45,54 +43,11 @@ __all__ = [
 ]
 
 AdvOut = tuple[torch.Tensor, torch.Tensor]
-ADV_ESTIMATORS: dict[str, Callable[..., AdvOut]] = {}
-
-
-class UnknownAdvEstimatorError(ValueError, KeyError):
-    """Raised for an unregistered estimator name; both a ValueError and a KeyError."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
-
-
-def register_adv_estimator(name: str) -> Callable[[Callable[..., AdvOut]], Callable[..., AdvOut]]:
-    """Decorator: store ``fn`` in ``ADV_ESTIMATORS[name]`` (a later registration replaces it)."""
-
-    def decorator(fn: Callable[..., AdvOut]) -> Callable[..., AdvOut]:
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
 
 
 def get_adv_estimator(name: str) -> Callable[..., AdvOut]:
-    """The estimator registered as ``name``; ``UnknownAdvEstimatorError`` lists the known ones."""
-    try:
-        return ADV_ESTIMATORS[name]
-    except KeyError:
-        known = ", ".join(sorted(ADV_ESTIMATORS))
-        raise UnknownAdvEstimatorError(
-            f"unknown advantage estimator {name!r}; known: {known}"
-        ) from None
-
-
-# The inputs an estimator may require beyond rewards and mask, and what each one takes.
-_INPUT_HINTS = {
-    "values": "values (a critic)",
-    "index": "index (a group id per sample)",
-    "reward_baselines": "reward_baselines (the rewards of a greedy rollout)",
-}
-
-
-def estimator_needs(name: str) -> frozenset[str]:
-    """The inputs estimator ``name`` requires (parameters without a default) among
-    "values" (a critic), "index" (prompt groups: rollout.n >= 2) and "reward_baselines"
-    (a greedy rollout per prompt). Read from its signature: the registry is the one source
-    of what the engine must build for it."""
-    params = inspect.signature(get_adv_estimator(name)).parameters
-    return frozenset(
-        p for p in _INPUT_HINTS if p in params and params[p].default is inspect.Parameter.empty
-    )
+    """The estimator registered as ``name``; the error lists the registered ones."""
+    return ADV_ESTIMATORS[name]
 
 
 def compute_advantage(
@@ -132,7 +87,7 @@ def compute_advantage(
         if value is not None:
             kwargs[param.name] = value
         elif param.default is param.empty:
-            raise ValueError(f"{name} needs {_INPUT_HINTS.get(param.name, param.name)}")
+            raise ValueError(f"{name} needs {ESTIMATOR_INPUTS.get(param.name, param.name)}")
     return fn(**kwargs)
 
 
@@ -175,7 +130,7 @@ def _broadcast(adv: torch.Tensor, response_mask: torch.Tensor) -> AdvOut:
     return advantages, advantages
 
 
-@register_adv_estimator("gae")
+@ADV_ESTIMATORS.register("gae")
 @torch.no_grad()
 def gae(
     token_level_rewards: torch.Tensor,
@@ -209,7 +164,7 @@ def gae(
     return torch.where(keep, masked_whiten(advantages, keep), 0.0), returns
 
 
-@register_adv_estimator("grpo")
+@ADV_ESTIMATORS.register("grpo")
 @torch.no_grad()
 def grpo(
     token_level_rewards: torch.Tensor,
@@ -235,7 +190,7 @@ def grpo(
     return _broadcast(adv, response_mask)
 
 
-@register_adv_estimator("rloo")
+@ADV_ESTIMATORS.register("rloo")
 @torch.no_grad()
 def rloo(
     token_level_rewards: torch.Tensor,
@@ -253,7 +208,7 @@ def rloo(
     return _broadcast(adv, response_mask)
 
 
-@register_adv_estimator("reinforce_plus_plus")
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus(
     token_level_rewards: torch.Tensor,
@@ -278,7 +233,7 @@ def reinforce_plus_plus(
     return torch.where(keep, masked_whiten(returns, keep), 0.0), returns
 
 
-@register_adv_estimator("remax")
+@ADV_ESTIMATORS.register("remax")
 @torch.no_grad()
 def remax(
     token_level_rewards: torch.Tensor,
@@ -297,7 +252,7 @@ def remax(
     return torch.where(keep, returns - baseline, 0.0), returns
 
 
-@register_adv_estimator("grpo_passk")
+@ADV_ESTIMATORS.register("grpo_passk")
 @torch.no_grad()
 def grpo_passk(
     token_level_rewards: torch.Tensor,
@@ -331,7 +286,7 @@ def grpo_passk(
     return _broadcast(adv, response_mask)
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
 @torch.no_grad()
 def reinforce_plus_plus_baseline(
     token_level_rewards: torch.Tensor,
@@ -354,7 +309,7 @@ def reinforce_plus_plus_baseline(
     return advantages, advantages
 
 
-@register_adv_estimator("opo")
+@ADV_ESTIMATORS.register("opo")
 @torch.no_grad()
 def opo(
     token_level_rewards: torch.Tensor,
@@ -378,7 +333,7 @@ def opo(
     return _broadcast(scores - baseline, response_mask)
 
 
-@register_adv_estimator("gpg")
+@ADV_ESTIMATORS.register("gpg")
 @torch.no_grad()
 def gpg(
     token_level_rewards: torch.Tensor,

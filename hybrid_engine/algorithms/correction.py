@@ -17,10 +17,10 @@ import math
 import torch
 
 from hybrid_engine.algorithms.utils import masked_mean, masked_sum
+from hybrid_engine.config.bands import parse_is_threshold, parse_rejection
+from hybrid_engine.registry import IS_LEVELS, REJECTION_MODES
 
 __all__ = [
-    "IS_LEVELS",
-    "REJECTION_MODES",
     "correction_metrics",
     "parse_is_threshold",
     "parse_rejection",
@@ -30,65 +30,6 @@ __all__ = [
 ]
 
 SAFETY_BOUND = 20.0  # log-space clamp before exp: weights stay within e^±20
-IS_LEVELS = ("token", "sequence")
-REJECTION_MODES = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
-
-
-def _band(spec: float | str, what: str, band: bool = True) -> tuple[float | None, float]:
-    """(lower, upper) from "lower_upper" (when `band`) or one number (lower None), checked
-    0 < lower <= upper; the error names `what`."""
-    if isinstance(spec, bool):
-        raise ValueError(f"{what}: expected a number, got {spec!r}")
-    lower_s, sep, upper_s = str(spec).strip().partition("_")
-    form = "a number or 'lower_upper'" if band else "one upper bound"
-    try:
-        if sep and not band:
-            raise ValueError
-        upper, lower = (float(upper_s), float(lower_s)) if sep else (float(lower_s), None)
-    except ValueError:
-        raise ValueError(f"{what} {spec!r}: expected {form}") from None
-    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-        raise ValueError(f"{what} {spec!r}: need 0 < lower <= upper")
-    return lower, upper
-
-
-def parse_is_threshold(threshold: float | str) -> tuple[float, float | None]:
-    """(upper, lower): a number or "2.0" truncates at upper (TIS, lower None); "0.5_2.0"
-    keeps weights inside [lower, upper] and zeroes the rest (IcePop)."""
-    lower, upper = _band(threshold, "IS threshold")
-    return upper, lower
-
-
-def parse_rejection(modes: str, thresholds: float | str) -> dict[str, tuple[float | None, float]]:
-    """{mode: (lower, upper)} from comma-separated modes and thresholds (one shared, or one
-    per mode). k1 modes bound the rollout/train ratio: "lower_upper", or "upper" meaning
-    [1/upper, upper]; k2/k3 modes take one upper bound on the divergence."""
-    names = list(dict.fromkeys(m.strip() for m in str(modes).split(",") if m.strip()))
-    if not names:
-        raise ValueError("rejection modes: give at least one of " + ", ".join(REJECTION_MODES))
-    for name in names:
-        if name not in REJECTION_MODES:
-            raise ValueError(
-                f"unknown rejection mode {name!r}; known: {', '.join(REJECTION_MODES)}"
-            )
-    specs = [s.strip() for s in str(thresholds).split(",") if s.strip()]
-    if len(specs) not in (1, len(names)):
-        raise ValueError(
-            f"rejection thresholds {thresholds!r}: give one for all modes or one per mode "
-            f"({len(names)})"
-        )
-    specs = specs * len(names) if len(specs) == 1 else specs
-    out: dict[str, tuple[float | None, float]] = {}
-    for name, spec in zip(names, specs, strict=True):
-        k1 = name.endswith("k1")
-        lower, upper = _band(spec, f"rejection threshold for {name}", band=k1)
-        out[name] = (1.0 / upper if k1 and lower is None else lower, upper)
-    return out
 
 
 @torch.no_grad()
@@ -106,16 +47,10 @@ def rollout_is_weights(
     then TIS w = min(w, upper), or IcePop w = w if lower <= w <= upper else 0;
     batch_normalize divides by the masked mean (token) or the mean over sequences (sequence).
     """
-    if level not in IS_LEVELS:
-        raise ValueError(f"unknown IS level {level!r}; known: {', '.join(IS_LEVELS)}")
+    raw_weights = IS_LEVELS[level]
     upper, lower = parse_is_threshold(threshold)
     mask = response_mask.to(log_ratio.dtype)
-    if level == "token":
-        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
-    else:
-        total = masked_sum(log_ratio, response_mask, dim=-1)[:, None]
-        raw = torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
-    raw = raw * mask
+    raw = raw_weights(log_ratio, response_mask) * mask
     if lower is None:
         weights = raw.clamp(max=upper)
     else:
@@ -130,6 +65,52 @@ def rollout_is_weights(
         if mean > 1e-8:
             weights = weights / mean
     return weights
+
+
+@IS_LEVELS.register("token")
+def token_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One weight per token: w_t = exp(clamp(log_ratio_t, -20, 20))."""
+    return torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+
+
+@IS_LEVELS.register("sequence")
+def sequence_is_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One weight per sequence: w = exp(clamp(sum_t m log_ratio_t, -20, 20)) on every token."""
+    total = masked_sum(log_ratio, response_mask, dim=-1)[:, None]
+    return torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
+
+
+# Rejection: a divergence per token (k1, k2 or k3), then a statistic over the sequence.
+@REJECTION_MODES.register("token_k3", k="k3")
+@REJECTION_MODES.register("token_k2", k="k2")
+@REJECTION_MODES.register("token_k1", k="k1")
+def token_divergence(value: torch.Tensor, m: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Each token's own divergence: drops tokens."""
+    return value
+
+
+@REJECTION_MODES.register("seq_sum_k3", k="k3")
+@REJECTION_MODES.register("seq_sum_k2", k="k2")
+@REJECTION_MODES.register("seq_sum_k1", k="k1")
+def seq_sum_divergence(value: torch.Tensor, m: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The masked sum over the sequence: keeps or drops the whole sequence."""
+    return masked_sum(value, m, dim=-1)[:, None]
+
+
+@REJECTION_MODES.register("seq_mean_k3", k="k3")
+@REJECTION_MODES.register("seq_mean_k2", k="k2")
+@REJECTION_MODES.register("seq_mean_k1", k="k1")
+def seq_mean_divergence(value: torch.Tensor, m: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The masked mean over the sequence: keeps or drops the whole sequence."""
+    return (masked_sum(value, m, dim=-1) / (count + 1e-8))[:, None]
+
+
+@REJECTION_MODES.register("seq_max_k3", k="k3")
+@REJECTION_MODES.register("seq_max_k2", k="k2")
+def seq_max_divergence(value: torch.Tensor, m: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The masked max over the sequence: keeps or drops the whole sequence."""
+    top = value.masked_fill(~m, float("-inf")).amax(-1)
+    return torch.where(torch.isinf(top), 0.0, top)[:, None]
 
 
 @torch.no_grad()
@@ -153,15 +134,8 @@ def rejection_mask(
     count = response_mask.to(log_ratio.dtype).sum(-1)
     keep = torch.ones_like(m)
     for name, (lower, upper) in bounds.items():
-        kind = name[-2:]
-        value = per_token[kind]
-        if name.startswith("seq_sum"):
-            value = masked_sum(value, m, dim=-1)[:, None]
-        elif name.startswith("seq_mean"):
-            value = (masked_sum(value, m, dim=-1) / (count + 1e-8))[:, None]
-        elif name.startswith("seq_max"):
-            top = value.masked_fill(~m, float("-inf")).amax(-1)
-            value = torch.where(torch.isinf(top), 0.0, top)[:, None]
+        kind = REJECTION_MODES.info(name)["k"]
+        value = REJECTION_MODES[name](per_token[kind], m, count)
         if kind == "k1":
             ok = (value >= math.log(lower)) & (value <= math.log(upper))
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_engine.algorithms.utils import masked_mean
+from hybrid_engine.registry import KL_ESTIMATORS
 
 __all__ = [
     "AdaptiveKLController",
@@ -16,24 +17,37 @@ __all__ = [
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (Schulman's k1/k2/k3).
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs with the registered
+    estimator ``kind`` (Schulman's k1/k2/k3 and their verl aliases)."""
+    return KL_ESTIMATORS[kind](log_prob - ref_log_prob)
 
-    "k1" | "kl":          logp - ref
-    "abs":                |logp - ref|
-    "k2" | "mse":         0.5 (logp - ref)^2
-    "k3" | "low_var_kl":  d = clamp(ref - logp, -20, 20);  clamp(exp(d) - d - 1, -10, 10)
-    """
-    diff = log_prob - ref_log_prob
-    if kind in ("k1", "kl"):
-        return diff
-    if kind == "abs":
-        return diff.abs()
-    if kind in ("k2", "mse"):
-        return 0.5 * diff.square()
-    if kind in ("k3", "low_var_kl"):
-        d = (-diff).clamp(-20.0, 20.0)
-        return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl penalty {kind!r}; known: k1, kl, abs, k2, mse, k3, low_var_kl")
+
+@KL_ESTIMATORS.register("kl")
+@KL_ESTIMATORS.register("k1")
+def k1(diff: torch.Tensor) -> torch.Tensor:
+    """logp - ref"""
+    return diff
+
+
+@KL_ESTIMATORS.register("abs")
+def abs_kl(diff: torch.Tensor) -> torch.Tensor:
+    """|logp - ref|"""
+    return diff.abs()
+
+
+@KL_ESTIMATORS.register("mse")
+@KL_ESTIMATORS.register("k2")
+def k2(diff: torch.Tensor) -> torch.Tensor:
+    """0.5 (logp - ref)^2"""
+    return 0.5 * diff.square()
+
+
+@KL_ESTIMATORS.register("low_var_kl")
+@KL_ESTIMATORS.register("k3")
+def k3(diff: torch.Tensor) -> torch.Tensor:
+    """d = clamp(ref - logp, -20, 20);  clamp(exp(d) - d - 1, -10, 10)"""
+    d = (-diff).clamp(-20.0, 20.0)
+    return (torch.exp(d) - d - 1).clamp(-10.0, 10.0)
 
 
 class FixedKLController:

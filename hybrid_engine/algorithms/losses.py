@@ -6,7 +6,7 @@ registered by name (``actor.policy_loss.mode``); each is verl 0.9's
 with respect to ``log_prob`` (the stop-gradients sit where verl puts them) and the same
 diagnostics. A loss returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; the three
 diagnostics are detached. (Log-probs and entropy of the policy itself come from the fused
-LM head, ``hybrid_engine.models.head_log_probs``; ``entropy_from_logits`` is the plain
+LM head, ``hybrid_engine.models.logprobs.head_log_probs``; ``entropy_from_logits`` is the plain
 reference it is tested against.)
 """
 
@@ -18,12 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from hybrid_engine.algorithms.utils import masked_mean, masked_sum
+from hybrid_engine.registry import LOSS_AGG_MODES, POLICY_LOSSES
 
 __all__ = [
-    "LOSS_AGG_MODES",
-    "POLICY_LOSSES",
     "PolicyLoss",
-    "UnknownPolicyLossError",
     "agg_loss",
     "cispo_loss",
     "entropy_from_logits",
@@ -39,14 +37,6 @@ __all__ = [
     "value_loss",
 ]
 
-LOSS_AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-
 
 def agg_loss(
     loss_mat: torch.Tensor,
@@ -54,31 +44,57 @@ def agg_loss(
     loss_agg_mode: str,
     loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a (batch, T) loss matrix to a scalar over the masked tokens (verl 0.9, one rank).
+    """Reduce a (batch, T) loss matrix to a scalar over the masked tokens (verl 0.9, one rank)
+    with the registered aggregation ``loss_agg_mode``. Sequences without a masked token count
+    in no mean; an all-masked batch gives 0."""
+    return LOSS_AGG_MODES[loss_agg_mode](loss_mat, loss_mask, loss_scale_factor)
 
-    token-mean:              sum_{i,t} m l / sum_{i,t} m
-    token-sum:               sum_{i,t} m l
-    seq-mean-token-sum:      sum_i (sum_t m l) / S          S = sequences with a masked token
-    seq-mean-token-mean:     sum_i (sum_t m l / (sum_t m + 1e-8)) / S
-    seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor   (default: T, Dr.GRPO)
-    Sequences without a masked token count in no mean; an all-masked batch gives 0.
-    """
-    if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode == "token-sum":
-        return masked_sum(loss_mat, loss_mask)
+
+def _seqs(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The mask as bools, which sequences have a masked token, and how many (at least 1)."""
     m = loss_mask.bool().expand_as(loss_mat)
     has_tokens = m.any(-1)
-    n_seqs = has_tokens.sum().clamp(min=1).to(loss_mat.dtype)
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        loss = masked_sum(loss_mat, m, dim=-1).sum() / n_seqs
-        if loss_agg_mode == "seq-mean-token-sum-norm":
-            loss = loss / (loss_scale_factor or loss_mat.shape[-1])
-        return loss
-    if loss_agg_mode == "seq-mean-token-mean":
-        seq_mean = masked_sum(loss_mat, m, dim=-1) / (m.sum(-1).to(loss_mat.dtype) + 1e-8)
-        return masked_sum(seq_mean, has_tokens) / n_seqs
-    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; known: {', '.join(LOSS_AGG_MODES)}")
+    return m, has_tokens, has_tokens.sum().clamp(min=1).to(loss_mat.dtype)
+
+
+@LOSS_AGG_MODES.register("token-mean")
+def token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor, _scale: float | None = None):
+    """sum_{i,t} m l / sum_{i,t} m"""
+    return masked_mean(loss_mat, loss_mask)
+
+
+@LOSS_AGG_MODES.register("token-sum")
+def token_sum(loss_mat: torch.Tensor, loss_mask: torch.Tensor, _scale: float | None = None):
+    """sum_{i,t} m l"""
+    return masked_sum(loss_mat, loss_mask)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum")
+def seq_mean_token_sum(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, _scale: float | None = None
+) -> torch.Tensor:
+    """sum_i (sum_t m l) / S, S = sequences with a masked token"""
+    m, _, n_seqs = _seqs(loss_mat, loss_mask)
+    return masked_sum(loss_mat, m, dim=-1).sum() / n_seqs
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-mean")
+def seq_mean_token_mean(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, _scale: float | None = None
+) -> torch.Tensor:
+    """sum_i (sum_t m l / (sum_t m + 1e-8)) / S"""
+    m, has_tokens, n_seqs = _seqs(loss_mat, loss_mask)
+    seq_mean = masked_sum(loss_mat, m, dim=-1) / (m.sum(-1).to(loss_mat.dtype) + 1e-8)
+    return masked_sum(seq_mean, has_tokens) / n_seqs
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_scale_factor: float | None = None
+) -> torch.Tensor:
+    """seq-mean-token-sum / loss_scale_factor (default: T, Dr.GRPO)"""
+    scale = loss_scale_factor or loss_mat.shape[-1]
+    return seq_mean_token_sum(loss_mat, loss_mask) / scale
 
 
 # ----------------------------------------------------------------------------- registry
@@ -98,36 +114,19 @@ class PolicyLoss:
         return (self.fn.__doc__ or "").strip().splitlines()[0]
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-class UnknownPolicyLossError(ValueError, KeyError):
-    """An unregistered loss name; both a ValueError and a KeyError."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
 def register_policy_loss(
     name: str, aggregation: str | None = None
 ) -> Callable[[Callable[..., PolicyLossOut]], Callable[..., PolicyLossOut]]:
     """Decorator: register ``fn(old_log_prob, log_prob, advantages, response_mask, **kw)`` as
-    loss ``name``. ``kw`` holds every keyword of `policy_loss` after ``response_mask``
-    (take the ones you need, end with ``**_``); return the 4-tuple of `policy_loss`."""
-
-    def decorator(fn: Callable[..., PolicyLossOut]) -> Callable[..., PolicyLossOut]:
-        POLICY_LOSSES[name] = PolicyLoss(fn, aggregation)
-        return fn
-
-    return decorator
+    loss ``name`` (the plugin spelling of ``POLICY_LOSSES.register``). ``kw`` holds every
+    keyword of `policy_loss` after ``response_mask`` (take the ones you need, end with
+    ``**_``); return the 4-tuple of `policy_loss`."""
+    return POLICY_LOSSES.register(name, aggregation=aggregation)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        known = ", ".join(sorted(POLICY_LOSSES))
-        raise UnknownPolicyLossError(f"unknown policy loss {name!r}; known: {known}") from None
+    """The loss registered as ``name``; the error lists the registered ones."""
+    return PolicyLoss(POLICY_LOSSES[name], POLICY_LOSSES.info(name).get("aggregation"))
 
 
 def loss_aggregation(loss_mode: str, loss_agg_mode: str) -> str:
@@ -172,7 +171,7 @@ def _frac(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the losses
-@register_policy_loss("vanilla")
+@POLICY_LOSSES.register("vanilla")
 def vanilla_loss(
     old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
     clip_ratio_c, loss_agg_mode, rollout_is_weights=None, loss_scale_factor=None, **_,
@@ -203,7 +202,7 @@ def vanilla_loss(
     )
 
 
-@register_policy_loss("gspo", aggregation="seq-mean-token-mean")
+@POLICY_LOSSES.register("gspo", aggregation="seq-mean-token-mean")
 def gspo_loss(
     old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
     rollout_is_weights=None, **_,
@@ -228,7 +227,7 @@ def gspo_loss(
             masked_mean(-neg_kl, response_mask).detach(), zero)  # fmt: skip
 
 
-@register_policy_loss("cispo")
+@POLICY_LOSSES.register("cispo")
 def cispo_loss(
     old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
     loss_agg_mode, rollout_is_weights=None, loss_scale_factor=None, **_,
@@ -248,7 +247,7 @@ def cispo_loss(
             masked_mean(-log_ratio, response_mask).detach(), zero)  # fmt: skip
 
 
-@register_policy_loss("geo_mean", aggregation="seq-mean")
+@POLICY_LOSSES.register("geo_mean", aggregation="seq-mean")
 def geo_mean_loss(
     old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
     rollout_is_weights=None, **_,
@@ -277,7 +276,7 @@ def geo_mean_loss(
             _frac(clipped & (advantages < 0), response_mask))  # fmt: skip
 
 
-@register_policy_loss("gpg")
+@POLICY_LOSSES.register("gpg")
 def gpg_loss(
     old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode,
     rollout_is_weights=None, loss_scale_factor=None, **_,
@@ -293,7 +292,7 @@ def gpg_loss(
     return pg_loss, zero, ppo_kl, zero
 
 
-@register_policy_loss("sapo", aggregation="seq-mean-token-mean")
+@POLICY_LOSSES.register("sapo", aggregation="seq-mean-token-mean")
 def sapo_loss(
     old_log_prob, log_prob, advantages, response_mask, *, tau_pos, tau_neg,
     rollout_is_weights=None, **_,

@@ -3,15 +3,57 @@ the option types shared by several sections."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic_core import PydanticCustomError, core_schema
 
-LossAggMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-]  # fmt: skip
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+from hybrid_engine.registry import (
+    ADV_ESTIMATORS,
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_BACKENDS,
+    Registry,
+)
+
+
+class RegisteredName:
+    """`Annotated[str, RegisteredName(REGISTRY)]`: the value must be a name of the registry
+    (checked when the config is built; its JSON schema and the reference list the names)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> dict[str, Any]:
+        return {**handler(schema), "enum": list(self.registry)}
+
+    def _check(self, name: str) -> str:
+        if name not in self.registry:
+            raise PydanticCustomError(
+                UNREGISTERED,
+                "is not a registered {kind}; registered: {names} (register your own with a "
+                "decorator in a module listed in algorithm.plugins)",
+                {"kind": self.registry.kind, "names": ", ".join(self.registry)},
+            )
+        return name
+
+
+UNREGISTERED = "unregistered_name"  # the error type `load_config` words as "key='x' is not..."
+AdvEstimatorName = Annotated[str, RegisteredName(ADV_ESTIMATORS)]
+PolicyLossName = Annotated[str, RegisteredName(POLICY_LOSSES)]
+LossAggMode = Annotated[str, RegisteredName(LOSS_AGG_MODES)]
+KLKind = Annotated[str, RegisteredName(KL_ESTIMATORS)]
+ISLevel = Annotated[str, RegisteredName(IS_LEVELS)]
+RolloutBackend = Annotated[str, RegisteredName(ROLLOUT_BACKENDS)]
 
 
 class ConfigError(ValueError):

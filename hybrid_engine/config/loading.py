@@ -13,8 +13,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hybrid_engine.config.base import ConfigError, Section
+from hybrid_engine.config.base import UNREGISTERED, ConfigError, RegisteredName, Section
 from hybrid_engine.config.root import _YAML_DATA, HybridConfig
+from hybrid_engine.registry import ADV_ESTIMATORS, REGISTRIES, estimator_needs
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -76,6 +77,8 @@ def _describe(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             shown = "hidden" if SECRET_NAME.search(key.rpartition(".")[2]) else repr(e["input"])
             lines.append(f"unknown key {key!r} (value {shown})")
+        elif e["type"] == UNREGISTERED:
+            lines.append(f"{key}={e['input']!r} {e['msg']}")
         elif key and e["type"] != "value_error":  # our own validators name the key
             lines.append(f"{key}={e['input']!r}: {e['msg']}")
         else:
@@ -159,6 +162,9 @@ def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
 def _type_name(annotation: Any) -> str:
     """`int`, `float | None`, `"hf" \\| "vllm"` for the reference table."""
     args = get_args(annotation)
+    named = [m for m in getattr(annotation, "__metadata__", ()) if isinstance(m, RegisteredName)]
+    if named:
+        return f"a registered {named[0].registry.kind}"
     if get_origin(annotation) is Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if args and get_origin(annotation) in (UnionType, Union):
@@ -188,7 +194,11 @@ def config_reference() -> str:
             if isinstance(value, BaseModel):
                 continue
             default = "`None`" if value is None else f"`{json.dumps(value)}`"
-            kind = _type_name(field.annotation) + _bounds(field.metadata)
+            named = [m for m in field.metadata if isinstance(m, RegisteredName)]
+            kind = (
+                f"a registered {named[0].registry.kind}" if named else _type_name(field.annotation)
+            )
+            kind += _bounds(field.metadata)
             leaves.append(f"| `{prefix}{name}` | {default} | {kind} | {field.description or ''} |")
         if leaves:
             lines.extend(["", f"**{prefix.rstrip('.')}**", ""])
@@ -209,32 +219,49 @@ def config_reference() -> str:
     return "\n".join(lines + registries_reference()).strip() + "\n"
 
 
-_NEEDS = {"values": "a critic", "index": "prompt groups (rollout.n ≥ 2)",
-          "reward_baselines": "a greedy rollout per prompt"}  # fmt: skip
+_NEEDS = {
+    "values": "a critic",
+    "index": "prompt groups (rollout.n ≥ 2)",
+    "reward_baselines": "a greedy rollout per prompt",
+}
+
+
+def registry_keys() -> dict[str, list[str]]:
+    """Registry variable -> the config keys whose values are its names."""
+    out: dict[str, list[str]] = {}
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            regs = [m.registry.var for m in field.metadata if isinstance(m, RegisteredName)]
+            for arg in get_args(field.annotation):  # `ISLevel | None`
+                regs += [m.registry.var for m in getattr(arg, "__metadata__", ())
+                         if isinstance(m, RegisteredName)]  # fmt: skip
+            for var in regs + ([extra["registry"]] if "registry" in extra else []):
+                out.setdefault(var, []).append(prefix + name)
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                walk(sub, f"{prefix}{name}.")
+
+    walk(HybridConfig, "")
+    return out
 
 
 def registries_reference() -> list[str]:
-    """The registered estimators, policy losses and environments as markdown tables, read
-    from the registries (with the plugins imported, a user's own appear too)."""
-    from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs
-
-    lines = ["", "**algorithm.adv_estimator**: the registered estimators", "",
-             "| name | needs | what |", "| --- | --- | --- |"]  # fmt: skip
-    for name in sorted(ADV_ESTIMATORS):
-        doc = (ADV_ESTIMATORS[name].__doc__ or "").strip().splitlines()[0]
-        needs = ", ".join(_NEEDS[n] for n in sorted(estimator_needs(name))) or "—"
-        lines.append(f"| `{name}` | {needs} | {doc} |")
-    lines += ["", "**actor.policy_loss.mode**: the registered policy losses", "",
-              "| name | reduces tokens by | what |", "| --- | --- | --- |"]  # fmt: skip
-    for name in sorted(POLICY_LOSSES):
-        spec = POLICY_LOSSES[name]
-        agg = f"`{spec.aggregation}` always" if spec.aggregation else "`actor.loss_agg_mode`"
-        lines.append(f"| `{name}` | {agg} | {spec.summary} |")
-    from hybrid_engine.envs import ENVIRONMENTS  # the environments import the reward scorers
-
-    lines += ["", "**rollout.multi_turn.environment**: the registered environments", "",
-              "| name | what |", "| --- | --- |"]  # fmt: skip
-    for name in sorted(ENVIRONMENTS):
-        doc = (ENVIRONMENTS[name].__doc__ or "").strip().splitlines()[0]
-        lines.append(f"| `{name}` | {doc} |")
+    """Every registry's names as a markdown table, read from the registries (their source;
+    with the plugins imported, a user's own appear too)."""
+    keys = registry_keys()
+    lines: list[str] = []
+    for reg in REGISTRIES:
+        used = ", ".join(f"`{k}`" for k in keys.get(reg.var, [])) or "—"
+        lines += ["", f"**{reg.kind}s** (`{reg.var}`; {used})", ""]
+        lines += ["| name | what | registered with |", "| --- | --- | --- |"]
+        for name in reg:
+            info = dict(reg.info(name))
+            summary = " ".join(info.pop("summary").split()).replace("|", "\\|")
+            info.pop("required")
+            notes = [f"{k}={v!r}" for k, v in info.items()]
+            if reg is ADV_ESTIMATORS:
+                notes = [_NEEDS[n] for n in sorted(estimator_needs(name))] or ["needs nothing more"]
+            lines.append(f"| `{name}` | {summary} | {', '.join(notes) or '—'} |")
     return lines

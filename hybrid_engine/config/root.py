@@ -28,8 +28,8 @@ from hybrid_engine.config.training import (
     RewardConfig,
     RolloutConfig,
     import_plugins,
-    registered,
 )
+from hybrid_engine.registry import ROLLOUT_BACKENDS, estimator_needs
 
 
 class HybridConfig(BaseSettings):
@@ -95,8 +95,6 @@ class HybridConfig(BaseSettings):
     def estimator_needs(self) -> frozenset[str]:
         """What the estimator requires (from its registered signature): "values" (a
         critic), "index" (prompt groups), "reward_baselines" (a greedy rollout)."""
-        from hybrid_engine.algorithms import estimator_needs
-
         return estimator_needs(self.algorithm.adv_estimator)
 
     @property
@@ -139,24 +137,13 @@ class HybridConfig(BaseSettings):
         return self.trainer.backend == "ray" and self.ray.rollout == "separate"
 
     @model_validator(mode="after")
-    def _registered_names(self) -> HybridConfig:
-        """Estimator and policy loss by registry. Checked once every key is valid: the
-        registries import torch, which a config error (an unknown key) need not wait for."""
-        from hybrid_engine.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
-
-        algo, loss = self.algorithm.adv_estimator, self.actor.policy_loss.mode
-        registered("algorithm.adv_estimator", "advantage estimator", algo, ADV_ESTIMATORS)
-        registered("actor.policy_loss.mode", "policy loss", loss, POLICY_LOSSES)
-        return self
-
-    @model_validator(mode="after")
     def _asynchronous(self) -> HybridConfig:
         """trainer.max_staleness > 0 picks what it needs: generation in its own processes
         (the pool, a separate rollout group) and rollout correction of the stale samples."""
         if not self.trainer.max_staleness:
             return self
         k = f"trainer.max_staleness={self.trainer.max_staleness}"
-        if self.rollout.name != "hf":
+        if not ROLLOUT_BACKENDS.info(self.rollout.name)["separate_group"]:
             raise ValueError(f"{k} with rollout.name={self.rollout.name}: feeding a separate "
                              "vLLM rollout group is not built yet; use rollout.name=hf")  # fmt: skip
         fg = self.algorithm.filter_groups.enabled
@@ -269,7 +256,7 @@ class HybridConfig(BaseSettings):
                     f"{role}.ppo_mini_batch_size / {group_dp} ranks = {mini // group_dp}"
                 )
         rdp = lay.rollout.dp or lay.dp
-        if self.rollout.name == "hf":
+        if not ROLLOUT_BACKENDS.info(self.rollout.name)["tensor_parallel"]:
             if lay.rollout.tp != 1:
                 raise ValueError(
                     f"actor.layout.rollout.tp={lay.rollout.tp}: the hf rollout keeps full weights "

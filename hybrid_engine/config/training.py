@@ -8,7 +8,18 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hybrid_engine.config.base import KLKind, LossAggMode, OptimConfig, Section
+from hybrid_engine.config.base import (
+    AdvEstimatorName,
+    ISLevel,
+    KLKind,
+    LossAggMode,
+    OptimConfig,
+    PolicyLossName,
+    RolloutBackend,
+    Section,
+)
+from hybrid_engine.registry import ENVIRONMENTS
+from hybrid_engine.specs import load_spec
 
 
 def import_plugins(modules: list[str]) -> None:
@@ -19,16 +30,6 @@ def import_plugins(modules: list[str]) -> None:
             importlib.import_module(name)
         except ImportError as e:
             raise ValueError(f"algorithm.plugins: cannot import {name!r}: {e}") from None
-
-
-def registered(key: str, kind: str, name: str, registry: dict[str, Any]) -> str:
-    if name not in registry:
-        raise ValueError(
-            f"{key}={name!r} is not a registered {kind}; registered: "
-            f"{', '.join(sorted(registry))} (register your own with a decorator in a module "
-            "listed in algorithm.plugins)"
-        )
-    return name
 
 
 class TinyModelConfig(Section):
@@ -107,7 +108,7 @@ class ActorLayout(Section):
 class PolicyLossConfig(Section):
     """Which registered policy loss the actor minimises (the README lists them)."""
 
-    mode: str = Field(
+    mode: PolicyLossName = Field(
         "vanilla", description="registered policy loss: vanilla (PPO-clip), gspo, cispo, ..."
     )
     tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0")
@@ -179,12 +180,13 @@ class ValSamplingConfig(Section):
 
 
 class MultiTurnConfig(Section):
-    """Multi-turn rollouts: the policy and an environment take turns (`hybrid_engine.envs`)."""
+    """Multi-turn rollouts: the policy and an environment take turns (`hybrid_engine.rollout.envs`)."""
 
     enabled: bool = Field(False, description="roll out conversations with an environment")
     environment: str = Field(
         "feedback",
-        description="a registered environment (see the table below) or `module:Class`",
+        description="a registered environment or `module:Class`",
+        json_schema_extra={"registry": "ENVIRONMENTS"},
     )
     env_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments of the environment's constructor"
@@ -205,16 +207,16 @@ class MultiTurnConfig(Section):
     @field_validator("environment")
     @classmethod
     def _known_environment(cls, name: str) -> str:
-        from hybrid_engine.envs import ENVIRONMENTS, environment_class
-
-        if ":" in name:
-            environment_class(name)  # raises naming the spec when it cannot be loaded
-            return name
-        return registered("rollout.multi_turn.environment", "environment", name, ENVIRONMENTS)
+        if ":" not in name:
+            return ENVIRONMENTS.check(name, "rollout.multi_turn.environment")
+        cls = load_spec(name, "rollout.multi_turn.environment", "Class")  # raises naming it
+        if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
+            raise ValueError(f"environment {name!r} is not a class with reset and step")
+        return name
 
 
 class RolloutConfig(Section):
-    name: Literal["hf", "vllm"] = Field(
+    name: RolloutBackend = Field(
         "hf",
         description="rollout backend: a decoding loop on the transformers model (StaticCache), "
         "or vLLM (GPU, [vllm] extra)",
@@ -267,9 +269,7 @@ class RewardConfig(Section):
     def _loadable(cls, spec: str | None) -> str | None:
         """Import it now: a missing or broken module is named before anything starts."""
         if spec is not None:
-            from hybrid_engine.rewards import load_function
-
-            load_function(spec)
+            load_spec(spec, "reward.function")
         return spec
 
     overlong_buffer_len: int = Field(
@@ -307,7 +307,7 @@ class RolloutCorrectionConfig(Section):
     log-probs; the advantage stage compares them with the training log-probs and weights
     (IS) or drops (rejection) tokens. Off unless `level` or `rejection_modes` is set."""
 
-    level: Literal["token", "sequence"] | None = Field(
+    level: ISLevel | None = Field(
         None, description="importance weights per token or per sequence; None = no weights"
     )
     threshold: float | str = Field(
@@ -316,8 +316,8 @@ class RolloutCorrectionConfig(Section):
     batch_normalize: bool = Field(False, description="IS: rescale the weights to mean 1")
     rejection_modes: str | None = Field(
         None,
-        description="comma-separated: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
-        "seq_max_k2/k3; None = no rejection",
+        description="comma-separated registered rejection modes; None = no rejection",
+        json_schema_extra={"registry": "REJECTION_MODES"},
     )
     rejection_thresholds: float | str = Field(
         "0.5_2.0",
@@ -333,7 +333,7 @@ class RolloutCorrectionConfig(Section):
     def _check(self) -> RolloutCorrectionConfig:
         if not self.enabled:
             return self
-        from hybrid_engine.algorithms.correction import parse_is_threshold, parse_rejection  # torch
+        from hybrid_engine.config.bands import parse_is_threshold, parse_rejection
 
         if self.level is not None:
             try:
@@ -375,7 +375,7 @@ class AlgorithmConfig(Section):
         description="modules imported before the config is checked (and in every pool worker) "
         "whose decorators register more estimators or policy losses",
     )
-    adv_estimator: str = Field(
+    adv_estimator: AdvEstimatorName = Field(
         "grpo", description="registered advantage estimator (gae = PPO with a critic)"
     )
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")

@@ -22,9 +22,10 @@ from transformers import PreTrainedTokenizerBase
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.lora import add_lora, lora_config
-from hybrid_engine.models import load_policy
-from hybrid_engine.rollout import HFRollout, SamplingParams
+from hybrid_engine.models.loading import load_policy
+from hybrid_engine.models.lora import add_lora, lora_config
+from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.hf import HFRollout
 
 
 class RolloutReplica:

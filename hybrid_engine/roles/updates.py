@@ -13,7 +13,7 @@ from torch import nn
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import OptimConfig
-from hybrid_engine.sharding import all_reduce_sum, to_float, world_size
+from hybrid_engine.models.sharding import all_reduce_sum, to_float, world_size
 
 
 def make_optimizer(

@@ -12,11 +12,11 @@ import ray
 import torch
 
 from hybrid_engine.config import HybridConfig, import_plugins
-from hybrid_engine.models import load_tokenizer, set_determinism
-from hybrid_engine.placement import RESOURCES_KEY
-from hybrid_engine.ray_cluster import PoolError, _free_port
-from hybrid_engine.replica import RolloutReplica
-from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel
+from hybrid_engine.models.loading import load_tokenizer, set_determinism
+from hybrid_engine.pool.cluster import PoolError, _free_port
+from hybrid_engine.pool.placement import RESOURCES_KEY
+from hybrid_engine.pool.replica import RolloutReplica
+from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel
 
 
 def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
@@ -80,7 +80,7 @@ class Worker:
         return f"tcp://{ip}:{_free_port(ip)}"
 
     def setup(self, init_method: str, threads: int) -> dict:
-        from hybrid_engine.sharding import init_group
+        from hybrid_engine.models.sharding import init_group
 
         torch.set_num_threads(threads)
         set_determinism(self.cfg.trainer.deterministic, self.cfg.device)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hybrid_engine.envs.base import Environment, Messages, Step, register_environment
+from hybrid_engine.registry import ENVIRONMENTS
 from hybrid_engine.rewards import builtin_score, extract_answer
+from hybrid_engine.rollout.envs.base import Environment, Messages, Step
 
 RETRY = "Try again, and end with the final answer as a plain number."
 
@@ -28,7 +29,7 @@ def direction(answer: str | None, truth: Any) -> str | None:
     return "too high" if a > t else "too low"
 
 
-@register_environment("feedback")
+@ENVIRONMENTS.register("feedback")
 class FeedbackEnv(Environment):
     """Feedback and retry: a wrong answer hears so (too high / too low) and tries again."""
 

@@ -1,19 +1,15 @@
-"""Rollout backends: `generate(batch, sampling) -> Batch`.
+"""The `hf` rollout backend: `generate(batch, sampling) -> Batch` (the contract: `base`).
 
-`hf` samples with `decode`, a transformers model's forward in `generate`'s loop, on the policy
+It samples with `decode`, a transformers model's forward in `generate`'s loop, on the policy
 module itself, so on one CPU rank the rollout "layout" shares the training parameters' storage
 (no copy, no sync).
-
-Input batch: `prompt_ids` (left padded) and `prompt_mask`.
-Output adds: `response_ids` (right padded), `response_mask` (1 up to and including EOS),
-`input_ids` / `attention_mask` (prompt + response), and in meta the token counts and speed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, StaticCache
@@ -25,47 +21,15 @@ from transformers.generation.logits_process import (
 )
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.models import position_ids_from_mask, repeats_previous_row
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    log_probs: bool = False  # also return each sampled token's log-prob (rollout correction)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def pad_right(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    """Pad the last dimension of a 2-D tensor on the right to `length`."""
-    return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)
-
-
-def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 on every token up to and including the first EOS, 0 after it."""
-    is_eos = (response_ids == eos_token_id).long()
-    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before position t
-    return (eos_before == 0).long()
-
-
-def with_responses(
-    batch: Batch, response_ids: torch.Tensor, response_mask: torch.Tensor, **extra: torch.Tensor
-) -> Batch:
-    """The prompt batch plus its responses and the joined prompt+response sequences."""
-    fields = {
-        "response_ids": response_ids,
-        "response_mask": response_mask,
-        "input_ids": torch.cat([batch["prompt_ids"], response_ids], dim=1),
-        "attention_mask": torch.cat([batch["prompt_mask"], response_mask], dim=1),
-        **extra,
-    }
-    return batch.union(Batch(fields))
+from hybrid_engine.config import HybridConfig
+from hybrid_engine.models.logprobs import position_ids_from_mask, repeats_previous_row
+from hybrid_engine.registry import ROLLOUT_BACKENDS
+from hybrid_engine.rollout.base import (
+    SamplingParams,
+    pad_right,
+    response_mask_from_ids,
+    with_responses,
+)
 
 
 def logits_warpers(sampling: SamplingParams) -> LogitsProcessorList:
@@ -181,8 +145,16 @@ def decode(
     return out
 
 
+@ROLLOUT_BACKENDS.register("hf", in_place=True, tensor_parallel=False, separate_group=True)
 class HFRollout:
-    """Batched sampling with `decode` (left padding, n samples already repeated)."""
+    """Batched sampling with `decode` on the policy module (transformers, CPU or GPU)."""
+
+    @classmethod
+    def build(cls, cfg: HybridConfig, module: PreTrainedModel, tokenizer: Any) -> HFRollout:
+        """The backend of `rollout.name: hf`, on the rollout-layout module."""
+        return cls(
+            module, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.rollout.micro_batch_size
+        )
 
     def __init__(
         self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, micro_batch_size: int

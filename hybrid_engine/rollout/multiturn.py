@@ -26,9 +26,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.envs import Environment, Messages
 from hybrid_engine.rewards import token_level_scores
-from hybrid_engine.rollout import SamplingParams
+from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.envs import Environment, Messages
 
 Generate = Callable[[Batch, SamplingParams], Batch]
 TURN_SEED_STRIDE = 1_000_003  # turn k samples with seed + (k - 1) * stride

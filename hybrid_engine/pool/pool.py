@@ -13,32 +13,24 @@ driver; the next driver finds them again. The state dir is `$HYBRIDRL_RAY_STATE`
 Workers live in the Ray namespace `hybridrl-<pool_name>`, named `<group>-<rank>`: the actor
 group (`actor-0..dp-1`, hosting actor+rollout+ref and any colocated critic / reward model)
 and, when placed separately, `critic-*`, `rm-*` and `rollout-*` (generation replicas fed
-the trainer's weights, `hybrid_engine.replica`). Each group trains in FSDP2 over its own
+the trainer's weights, `hybrid_engine.pool.replica`). Each group trains in FSDP2 over its own
 torch.distributed world. A pool built for another model or layout is refused, not reused.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import psutil
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError
 
-from hybrid_engine import placement
-from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
-from hybrid_engine.models import load_tokenizer
-from hybrid_engine.pool_worker import RemoteWorker, group_plan, pool_spec
-from hybrid_engine.proxy import RoleProxy
-from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's interface
+from hybrid_engine.pool import placement
+from hybrid_engine.pool.cluster import (  # noqa: F401 - part of this module's interface
     PoolError,
     _free_port,
     _head_processes,
@@ -47,158 +39,10 @@ from hybrid_engine.ray_cluster import (  # noqa: F401 - part of this module's in
     state_dir,
     stop_local_head,
 )
-from hybrid_engine.workers import REUSE_FREED_MEMORY_ENV
-
-
-class WorkerLostError(PoolError):
-    """A worker is gone or stopped answering: the pool must be re-created (the flow's
-    recovery does that by itself, `pipeline.max_recoveries` times)."""
-
-    def __init__(self, message: str, worker: str, how: str) -> None:
-        super().__init__(message)
-        self.worker, self.how = worker, how  # e.g. "actor-1", "died" | "hung"
-        self.where: tuple[str, int] | None = None  # the stage task it ended ("step-3/rollout", 3)
-
-
-class WorkerDiedError(WorkerLostError):
-    """A worker process is gone; the message names it."""
-
-
-class WorkerHungError(WorkerLostError):
-    """A worker did not answer within the stage's time limit (stopped, deadlocked, or a
-    peer of a dead rank waiting in a collective)."""
-
-
-class CallsAbandoned(BaseException):  # noqa: N818 - a stop, like KeyboardInterrupt
-    """The driver is stopping (SIGTERM): a call waited for off the main thread (a rollout
-    running beside the update) gives up instead of holding the driver until it ends."""
-
-
-STOPPING = threading.Event()  # set by the driver's SIGTERM handler (tasks.recovery)
-
-
-# ---------------------------------------------------------------------- worker groups
-class StageLimit(threading.local):
-    """How long a call of the running stage may take (shared by a pool's groups), per
-    thread: a rollout running beside the update has its own stage's limit."""
-
-    def __init__(self, seconds: float, why: str) -> None:  # run again in each thread
-        self.seconds, self.why = seconds, why
-
-
-class WorkerGroup:
-    """The ranks of one group: call a method on all of them, split / gather the batch."""
-
-    def __init__(self, cfg: HybridConfig, name: str, handles: list[Any]) -> None:
-        self.cfg, self.name, self.handles = cfg, name, handles
-        self.pool_name = cfg.ray.pool_name
-        self.pids = [0] * len(handles)  # filled in once the workers answer
-        self.limit = StageLimit(cfg.ray.call_timeout_s, "ray.call_timeout_s")
-
-    @functools.cached_property
-    def pad_token_id(self) -> int:
-        """Fills token-id fields when ranks' results are gathered (read on first use)."""
-        return load_tokenizer(self.cfg.model).pad_token_id
-
-    @property
-    def ranks(self) -> int:
-        return len(self.handles)
-
-    def wait(self, refs: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
-        """Results in rank order. A dead worker raises at once (WorkerDiedError); no answer
-        within `timeout_s` (else the stage's limit, else `ray.call_timeout_s`) raises
-        WorkerHungError naming the workers that stopped answering; an exception raised in a
-        worker is raised here as itself (its message, not Ray's traceback dump)."""
-        if timeout_s is None:
-            timeout_s, why = self.limit.seconds, self.limit.why
-        else:
-            why = "the start-up limit"
-        deadline = time.monotonic() + timeout_s
-        index = {ref: i for i, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        while pending:  # in slices of a second: a signal (SIGTERM) is handled meanwhile
-            if STOPPING.is_set() and threading.current_thread() is not threading.main_thread():
-                raise CallsAbandoned(f"{what}: the driver is stopping")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._hung([index[r] for r in pending], what, timeout_s, why)
-            ready, pending = ray.wait(pending, num_returns=1, timeout=min(1.0, left))
-            for ref in ready:
-                i = index[ref]
-                try:
-                    results[i] = ray.get(ref)
-                except RayActorError as e:
-                    name = f"{self.name}-{i}"
-                    raise WorkerDiedError(
-                        f"{what}: worker {name} (pid {self.pids[i]}) of pool "
-                        f"{self.pool_name!r} died ({type(e).__name__})",
-                        name,
-                        "died",
-                    ) from None
-                except RayTaskError as e:
-                    self._check_peers(what)  # a collective broken by a dead peer
-                    raise e.cause from None  # e.g. NonFiniteUpdate, with its own message
-        return results
-
-    def _hung(self, ranks: list[int], what: str, timeout_s: float, why: str) -> None:
-        """Raise WorkerHungError naming the waited-for workers that do not even answer a
-        status call (a rank stuck in a collective behind a stopped peer still answers)."""
-        silent = [i for i in ranks if not self._answers(i)] or ranks
-        names = [f"{self.name}-{i} (pid {self.pids[i]})" for i in silent]
-        raise WorkerHungError(
-            f"{what}: {', '.join(names)} of pool {self.pool_name!r} did not answer within "
-            f"{timeout_s:.0f} s ({why})",
-            f"{self.name}-{silent[0]}",
-            "hung",
-        )
-
-    def _check_peers(self, what: str) -> None:
-        """A rank's error can be a symptom (gloo: "Connection closed by peer"): if a rank
-        of the group is dead or silent, that is the fault to report."""
-        for i in range(self.ranks):
-            if not self._answers(i):
-                name = f"{self.name}-{i}"
-                raise WorkerDiedError(
-                    f"{what}: worker {name} (pid {self.pids[i]}) of pool {self.pool_name!r} "
-                    "died or stopped answering (its peers' collectives failed)",
-                    name,
-                    "died",
-                )
-
-    def _answers(self, rank: int) -> bool:
-        try:
-            ray.get(self.handles[rank].info.remote(), timeout=5.0)
-            return True
-        except (RayActorError, GetTimeoutError):
-            return False
-
-    def call_all(self, role: str, method: str, *args: Any) -> list[Any]:
-        refs = [h.call.remote(role, method, *args) for h in self.handles]
-        return self.wait(refs, f"{role}.{method}")
-
-    def call_split(self, role: str, method: str, batch: Batch, *args: Any) -> Batch:
-        parts, pad = split_rows(batch, self.ranks)
-        refs = [
-            h.call.remote(role, method, p, *args) for h, p in zip(self.handles, parts, strict=True)
-        ]
-        return gather_rows(self.wait(refs, f"{role}.{method}"), pad, self.pad_token_id)
-
-    def call_update(self, role: str, method: str, batch: Batch, mini_batch_size: int) -> dict:
-        parts = split_for_update(batch, self.ranks, mini_batch_size)
-        refs = [h.call.remote(role, method, p) for h, p in zip(self.handles, parts, strict=True)]
-        return mean_metrics(self.wait(refs, f"{role}.{method}"))
-
-    def info(self, timeout_s: float = 10.0) -> list[dict]:
-        """Each rank's report; a dead or unresponsive one is reported, not raised."""
-        out = []
-        for i, h in enumerate(self.handles):
-            try:
-                out.append(ray.get(h.info.remote(), timeout=timeout_s))
-            except (RayActorError, GetTimeoutError) as e:
-                out.append({"name": f"{self.name}-{i}", "group": self.name, "rank": i,
-                            "pid": self.pids[i], "healthy": False, "error": type(e).__name__})  # fmt: skip
-        return out
+from hybrid_engine.pool.group import StageLimit, WorkerDiedError, WorkerGroup, WorkerHungError
+from hybrid_engine.pool.proxy import RoleProxy
+from hybrid_engine.pool.worker import RemoteWorker, group_plan, pool_spec
+from hybrid_engine.roles.workers import REUSE_FREED_MEMORY_ENV
 
 
 # -------------------------------------------------------------------------- the pool

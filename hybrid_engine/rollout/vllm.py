@@ -23,7 +23,10 @@ from typing import Any
 import torch
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.rollout import SamplingParams, response_mask_from_ids, with_responses
+from hybrid_engine.config import HybridConfig
+from hybrid_engine.models.loading import resolve_model_path
+from hybrid_engine.registry import ROLLOUT_BACKENDS
+from hybrid_engine.rollout.base import SamplingParams, response_mask_from_ids, with_responses
 
 # Weights travel to the engine in buckets of at most this many bytes (one RPC per bucket).
 BUCKET_BYTES = 512 * 2**20
@@ -169,6 +172,7 @@ def _import_vllm() -> Any:
 
 
 # --------------------------------------------------------------------------- the backend
+@ROLLOUT_BACKENDS.register("vllm", in_place=False, tensor_parallel=True, separate_group=False)
 class VLLMRollout:
     """A vLLM engine colocated with the trainer: generate, sleep/wake, weights pushed in place.
 
@@ -191,6 +195,23 @@ class VLLMRollout:
       function and pickles the arguments to each worker process, so weights are sent as CPU
       copies in buckets.
     """
+
+    @classmethod
+    def build(cls, cfg: HybridConfig, module: Any, tokenizer: Any) -> VLLMRollout:
+        """The backend of `rollout.name: vllm`: an engine started from the model's files
+        (the trainer's weights are pushed in later), asleep until the first rollout."""
+        tp = cfg.actor.layout.rollout.tp
+        engine = cls(
+            str(resolve_model_path(cfg.model.path)),
+            tp,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            dtype=cfg.model.dtype,
+            seed=cfg.trainer.seed,
+            distributed_executor_backend="external_launcher" if tp > 1 else None,
+        )
+        engine.sleep()  # the trainer has the GPU until the first rollout
+        return engine
 
     def __init__(
         self,

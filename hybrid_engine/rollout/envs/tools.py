@@ -28,9 +28,10 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from hybrid_engine.envs.base import Environment, Messages, Step, register_environment
-from hybrid_engine.envs.tool_runner import load_tool, runner
+from hybrid_engine.registry import ENVIRONMENTS
 from hybrid_engine.rewards import builtin_score
+from hybrid_engine.rollout.envs.base import Environment, Messages, Step
+from hybrid_engine.rollout.envs.tool_runner import load_tool, runner
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
@@ -87,7 +88,7 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
     return calls
 
 
-@register_environment("tools")
+@ENVIRONMENTS.register("tools")
 class ToolEnvironment(Environment):
     """Tools (`env_kwargs.tools`: `module:function`s) called from the policy's turns, then
     a final answer scored like a single-turn response."""
@@ -168,12 +169,12 @@ CALCULATOR_EXAMPLE = (
 )
 
 
-@register_environment("calculator")
+@ENVIRONMENTS.register("calculator")
 class CalculatorEnv(ToolEnvironment):
-    """`tools` with one tool, `hybrid_engine.builtin_tools:calculator`, and an example call
+    """`tools` with one tool, `hybrid_engine.rollout.envs.builtin_tools:calculator`, and an example call
     in the prompt."""
 
     def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("tools", ["hybrid_engine.builtin_tools:calculator"])
+        kwargs.setdefault("tools", ["hybrid_engine.rollout.envs.builtin_tools:calculator"])
         kwargs.setdefault("example", CALCULATOR_EXAMPLE)
         super().__init__(**kwargs)

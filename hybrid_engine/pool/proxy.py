@@ -11,10 +11,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.rollout import SamplingParams
+from hybrid_engine.rollout.base import SamplingParams
 
 if TYPE_CHECKING:
-    from hybrid_engine.pool import WorkerGroup
+    from hybrid_engine.pool.group import WorkerGroup
 
 
 class RoleProxy:
@@ -46,7 +46,7 @@ class RoleProxy:
         return self.group.call_split(self.role, "compute_ref_log_prob", _inputs(batch))
 
     def publish_weights(self) -> list:
-        """The full weights in Ray's object store: `[ref]` (hybrid_engine.replica)."""
+        """The full weights in Ray's object store: `[ref]` (hybrid_engine.pool.replica)."""
         refs = [h.publish.remote(self.role) for h in self.group.handles]
         return self.group.wait(refs, f"{self.role}.publish")[0]
 

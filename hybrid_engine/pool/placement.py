@@ -24,7 +24,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.ray_cluster import PoolError
+from hybrid_engine.pool.cluster import PoolError
 
 STRATEGY = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 RESOURCES_KEY = {  # every group a pool can have -> the ray.* key naming its custom resources

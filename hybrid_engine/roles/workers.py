@@ -5,8 +5,8 @@ Each role owns its models and optimizer and exposes the stage operations the dri
 generate, compute_log_prob, compute_ref_log_prob, update_actor / compute_values,
 update_critic / score, and save/load of its state at an fsspec URL. Batches go in and come
 out. A role runs on one rank of its group: in-process (one rank) or inside a Ray worker
-(`hybrid_engine.pool`), where the group's ranks train in FSDP2 layout together
-(`hybrid_engine.sharding`). Nothing here knows about storage layout or orchestration.
+(`hybrid_engine.pool.pool`), where the group's ranks train in FSDP2 layout together
+(`hybrid_engine.models.sharding`). Nothing here knows about storage layout or orchestration.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import copy
 import ctypes
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,19 +26,18 @@ from hybrid_engine.algorithms.losses import agg_loss, loss_aggregation, policy_l
 from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import CriticConfig, HybridConfig
-from hybrid_engine.lora import adapters_disabled, add_lora, lora_config
-from hybrid_engine.models import (
+from hybrid_engine.models.loading import (
     load_critic,
     load_policy,
     load_reward_model,
+)
+from hybrid_engine.models.logprobs import (
     packed_response_log_probs,
     position_ids_from_mask,
-    resolve_model_path,
     response_log_probs,
 )
-from hybrid_engine.rollout import HFRollout, SamplingParams
-from hybrid_engine.rollout_vllm import VLLMRollout
-from hybrid_engine.sharding import (
+from hybrid_engine.models.lora import adapters_disabled, add_lora, lora_config
+from hybrid_engine.models.sharding import (
     RolloutWeights,
     full_state_dict,
     is_sharded,
@@ -48,13 +48,17 @@ from hybrid_engine.sharding import (
     shard_model,
     world_size,
 )
-from hybrid_engine.updates import (
+from hybrid_engine.registry import ROLLOUT_BACKENDS
+from hybrid_engine.roles.updates import (
     NonFiniteUpdate,
     make_optimizer,
     micro_batches,
     model_device,
     ppo_updates,
 )
+from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.hf import HFRollout
+from hybrid_engine.rollout.vllm import VLLMRollout
 
 # glibc malloc settings that keep freed memory for reuse: name -> (mallopt option number in
 # <malloc.h>, value). The environment variable MALLOC_<name> sets the same when a process starts.
@@ -102,7 +106,7 @@ class ActorRolloutRef:
             self.ref = shard_model(copy.deepcopy(self.policy).requires_grad_(False))
         # hf generates from a module in rollout layout; vLLM holds its own copy of the weights
         self.rollout_weights = None
-        if cfg.rollout.name == "hf":
+        if ROLLOUT_BACKENDS.info(cfg.rollout.name)["in_place"]:
             self.rollout_weights = RolloutWeights(
                 self.policy, cfg.actor.layout.rollout.separate_copy
             )
@@ -289,23 +293,9 @@ class ActorRolloutRef:
         }
 
 
-def make_rollout(
-    cfg: HybridConfig, module: nn.Module, tokenizer: PreTrainedTokenizerBase
-) -> HFRollout | VLLMRollout:
-    """The rollout engine named by `rollout.name`: `hf` on the rollout-layout module, or a
-    vLLM engine (GPU) started from the model's files and fed new weights in place."""
-    if cfg.rollout.name == "vllm":
-        tp = cfg.actor.layout.rollout.tp
-        engine = VLLMRollout(
-            str(resolve_model_path(cfg.model.path)), tp, tokenizer.pad_token_id,
-            tokenizer.eos_token_id, dtype=cfg.model.dtype, seed=cfg.trainer.seed,
-            distributed_executor_backend="external_launcher" if tp > 1 else None,
-        )  # fmt: skip
-        engine.sleep()  # the trainer has the GPU until the first rollout
-        return engine
-    return HFRollout(
-        module, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.rollout.micro_batch_size
-    )
+def make_rollout(cfg: HybridConfig, module: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The rollout backend registered as `rollout.name`, built for this policy."""
+    return ROLLOUT_BACKENDS[cfg.rollout.name].build(cfg, module, tokenizer)
 
 
 class Critic:

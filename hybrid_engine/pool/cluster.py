@@ -24,7 +24,7 @@ from ray._private.services import node_ip_address_from_perspective
 
 from hybrid_engine import RAY_ENV
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.models import cache_dir
+from hybrid_engine.models.loading import cache_dir
 
 
 class PoolError(RuntimeError):
@@ -129,7 +129,7 @@ def local_nodes() -> dict[str, dict]:
 def add_local_node(name: str, num_cpus: int, resources: dict[str, float],
                    timeout_s: float = 120) -> dict:  # fmt: skip
     """Another Ray node of the local head's cluster on this machine: its own raylet, object
-    store and workers (`hybrid_engine.ray_node`, ports of its own), offering `num_cpus` CPUs
+    store and workers (`hybrid_engine.pool.node`, ports of its own), offering `num_cpus` CPUs
     and the custom `resources`. A real second node of the cluster's topology, sharing the
     machine's cores and disk with the head."""
     head = local_head(start=False)
@@ -146,7 +146,7 @@ def add_local_node(name: str, num_cpus: int, resources: dict[str, float],
     env.pop("HYBRIDRL_FAULT", None)
     log = Path(temp_dir) / "start.log"  # a file, not a pipe: the raylet would hold a pipe open
     with log.open("w") as out:
-        proc = subprocess.run([sys.executable, "-m", "hybrid_engine.ray_node", head,
+        proc = subprocess.run([sys.executable, "-m", "hybrid_engine.pool.node", head,
                                json.dumps(config)], env=env, stdout=out, stderr=subprocess.STDOUT,
                               timeout=timeout_s, start_new_session=True)  # fmt: skip
     if proc.returncode != 0:

@@ -1,7 +1,7 @@
 """Start one more node of a local Ray cluster on this machine and exit, leaving its raylet
 running: what `ray start --address=<head>` does for a worker node, but on 127.0.0.1.
 
-    python -m hybrid_engine.ray_node GCS_ADDRESS CONFIG_JSON
+    python -m hybrid_engine.pool.node GCS_ADDRESS CONFIG_JSON
 
 `ray start` cannot do it here: with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (which keeps the
 head on 127.0.0.1, see MACHINE-FACTS) it refuses to join a node, and with it set to 1 it

@@ -1,8 +1,8 @@
 """Environments for multi-turn rollouts: the interface and registry (`base`), feedback and
 retry (`feedback`), tools (`tools`, run by `tool_runner`)."""
 
-from hybrid_engine.envs.base import (
-    ENVIRONMENTS,
+from hybrid_engine.registry import ENVIRONMENTS
+from hybrid_engine.rollout.envs.base import (
     Environment,
     Messages,
     Step,
@@ -10,8 +10,8 @@ from hybrid_engine.envs.base import (
     make_environment,
     register_environment,
 )
-from hybrid_engine.envs.feedback import FeedbackEnv
-from hybrid_engine.envs.tools import CalculatorEnv, ToolEnvironment
+from hybrid_engine.rollout.envs.feedback import FeedbackEnv
+from hybrid_engine.rollout.envs.tools import CalculatorEnv, ToolEnvironment
 
 __all__ = [
     "ENVIRONMENTS", "CalculatorEnv", "Environment", "FeedbackEnv", "Messages", "Step",

@@ -28,25 +28,25 @@ from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.data import PromptData, prompt_batch
-from hybrid_engine.dynamic_sampling import dynamic_rollout
-from hybrid_engine.envs import make_environment
-from hybrid_engine.models import load_tokenizer, set_determinism
-from hybrid_engine.multiturn import (
-    conversation_text,
-    multi_turn_metrics,
-    multi_turn_rollout,
-    multi_turn_scores,
-)
+from hybrid_engine.models.loading import load_tokenizer, set_determinism
 from hybrid_engine.rewards import (
     RewardScorer,
     overlong_penalty,
     score_responses,
     token_level_scores,
 )
-from hybrid_engine.rollout import SamplingParams
+from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
+from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.dynamic_sampling import dynamic_rollout
+from hybrid_engine.rollout.envs import make_environment
+from hybrid_engine.rollout.multiturn import (
+    conversation_text,
+    multi_turn_metrics,
+    multi_turn_rollout,
+    multi_turn_scores,
+)
 from hybrid_engine.staleness import WeightsFeed, rollout_version, staleness_metrics
 from hybrid_engine.step_metrics import batch_stats, finish_step, timer
-from hybrid_engine.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -64,7 +64,7 @@ class Engine:
     """Holds the roles (actor/rollout/ref, critic, reward model), the data and the scorer.
 
     `trainer.backend: local` builds the roles in this process (one rank); `ray` serves them
-    from the persistent pool (`hybrid_engine.pool`), whose proxies have the same methods.
+    from the persistent pool (`hybrid_engine.pool.pool`), whose proxies have the same methods.
     A warm pool is reset to fresh weights unless `reset_pool=False` (resuming a run).
     """
 
@@ -85,7 +85,7 @@ class Engine:
         self.critic: Critic | None = None
         self.reward_model: RewardModel | None = None
         if cfg.trainer.backend == "ray":
-            from hybrid_engine.pool import Pool
+            from hybrid_engine.pool.pool import Pool
 
             self._use_pool(Pool.up(cfg))
             if reset_pool and not self.pool.created and self.actor.weights_version != 0:
@@ -121,7 +121,7 @@ class Engine:
         """After a worker died or hung: tear the pool down and create it again with the same
         spec (fresh weights, version 0: the caller restores the run's state). Returns the
         names of the workers removed."""
-        from hybrid_engine.pool import Pool
+        from hybrid_engine.pool.pool import Pool
 
         removed = self.pool.teardown()
         self._use_pool(Pool.up(self.cfg))
@@ -187,7 +187,7 @@ class Engine:
     ) -> Batch:
         """The rollout stage of step N: `rollout(N)`, or with `algorithm.filter_groups` the
         DAPO loop over generation batches from `first_gen_batch` (default: the one after the
-        last this engine used), scored on the way (`hybrid_engine.dynamic_sampling`)."""
+        last this engine used), scored on the way (`hybrid_engine.rollout.dynamic_sampling`)."""
         fg = self.cfg.algorithm.filter_groups
         if not fg.enabled:
             return self.rollout(step, on_turn=on_turn)
@@ -393,7 +393,7 @@ class Engine:
         if self.pool is not None:  # each worker's memory, as `hybridrl pool status` shows it
             for w in self.pool.status():
                 if "rss_gb" not in w:  # it died since its part of the update returned
-                    from hybrid_engine.pool import WorkerDiedError
+                    from hybrid_engine.pool.group import WorkerDiedError
 
                     raise WorkerDiedError(f"update: worker {w['name']} of pool "
                                           f"{self.cfg.ray.pool_name!r} died ({w.get('error')})",
@@ -411,8 +411,8 @@ class Engine:
         lora = self.cfg.actor.lora
         if self.pool is None and not lora.rank:
             return self.actor.policy, None
-        from hybrid_engine.lora import lora_config, merged_state_dict
-        from hybrid_engine.models import load_policy
+        from hybrid_engine.models.loading import load_policy
+        from hybrid_engine.models.lora import lora_config, merged_state_dict
 
         state = self.actor.full_state_dict()
         model = load_policy(self.cfg.model, self.tokenizer, self.cfg.trainer.seed)

@@ -1,6 +1,6 @@
 """The environment interface and its registry.
 
-An environment holds one conversation. The multi-turn rollout (`hybrid_engine.multiturn`)
+An environment holds one conversation. The multi-turn rollout (`hybrid_engine.rollout.multiturn`)
 makes one per trajectory and calls
 
     messages = env.reset(row, seed)          # the first observation: the prompt's messages
@@ -13,7 +13,7 @@ a float or None (the rollout keeps the last one given; see `rollout.multi_turn`)
 `tool_errors` (ints, summed over the turns). Plain Python, synchronous; everything random
 must come from `seed`, so a trajectory is a pure function of (row, seed, the policy's text).
 
-An environment is named by a registered name (`@register_environment("name")`) or by
+An environment is named by a registered name (`@ENVIRONMENTS.register("name")`) or by
 `module:Class`; its constructor takes `rollout.multi_turn.env_kwargs`.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from hybrid_engine.registry import ENVIRONMENTS
 from hybrid_engine.specs import load_spec
 
 Messages = list[dict[str, Any]]
@@ -43,30 +44,13 @@ class Environment:
         raise NotImplementedError
 
 
-ENVIRONMENTS: dict[str, type[Environment]] = {}
-
-
-def register_environment(name: str):  # noqa: ANN201 - decorator
-    """Class decorator: make an environment available as `rollout.multi_turn.environment`."""
-
-    def add(cls: type[Environment]) -> type[Environment]:
-        if name in ENVIRONMENTS and ENVIRONMENTS[name] is not cls:
-            raise ValueError(f"environment {name!r} is registered already")
-        ENVIRONMENTS[name] = cls
-        return cls
-
-    return add
+register_environment = ENVIRONMENTS.register  # the plugin spelling
 
 
 def environment_class(spec: str) -> type[Environment]:
     """The class a registered name or a `module:Class` spec names."""
-    if spec in ENVIRONMENTS:
-        return ENVIRONMENTS[spec]
     if ":" not in spec:
-        raise ValueError(
-            f"environment {spec!r} is not registered ({', '.join(sorted(ENVIRONMENTS))}) "
-            "and is not of the form module:Class"
-        )
+        return ENVIRONMENTS[spec]
     cls = load_spec(spec, "rollout.multi_turn.environment", "Class")
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise ValueError(f"environment {spec!r} is not a class with reset and step")

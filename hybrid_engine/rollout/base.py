@@ -1,0 +1,54 @@
+"""What every rollout backend shares: the sampling parameters and the response tensors built
+from sampled ids. The contract: `generate(batch, sampling) -> Batch`.
+
+Input batch: `prompt_ids` (left padded) and `prompt_mask`.
+Output adds: `response_ids` (right padded), `response_mask` (1 up to and including EOS),
+`input_ids` / `attention_mask` (prompt + response), and in meta the token counts and speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_engine.batch import Batch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    log_probs: bool = False  # also return each sampled token's log-prob (rollout correction)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def pad_right(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """Pad the last dimension of a 2-D tensor on the right to `length`."""
+    return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 on every token up to and including the first EOS, 0 after it."""
+    is_eos = (response_ids == eos_token_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before position t
+    return (eos_before == 0).long()
+
+
+def with_responses(
+    batch: Batch, response_ids: torch.Tensor, response_mask: torch.Tensor, **extra: torch.Tensor
+) -> Batch:
+    """The prompt batch plus its responses and the joined prompt+response sequences."""
+    fields = {
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([batch["prompt_ids"], response_ids], dim=1),
+        "attention_mask": torch.cat([batch["prompt_mask"], response_mask], dim=1),
+        **extra,
+    }
+    return batch.union(Batch(fields))
