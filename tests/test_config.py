@@ -112,16 +112,10 @@ def test_parse_overrides_and_flatten():
     assert flat["actor.optim.lr"] == 1e-6 and "trainer.seed" in flat
 
 
-def test_readme_holds_the_generated_reference_with_a_meaning_for_every_key():
-    import importlib.util
-
+def test_the_reference_is_generated_from_the_model_with_a_meaning_for_every_key():
+    # the docs site renders this text (docs/_hooks/reference.py); tests/test_docs.py builds it
     from hybrid_engine.config import HybridConfig, config_reference, flatten
 
-    spec = importlib.util.spec_from_file_location("ref", "scripts/config_reference.py")
-    ref = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ref)
-    readme = ref.README.read_text()
-    assert ref.updated(readme) == readme, "run .venv/bin/python scripts/config_reference.py"
     rows = [r.split(" | ") for r in config_reference().splitlines() if r.startswith("| `")]
     keys = {r[0].strip("| `") for r in rows if "." in r[0]}  # the rest: registered names
     assert keys == set(flatten(HybridConfig())), "every key, once"
