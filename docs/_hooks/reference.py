@@ -141,7 +141,7 @@ def cli() -> str:
         ctx = cmd.context_class(cmd, info_name=name, parent=parent)
         path = ctx.command_path
         if parent is not None:  # the root's own help is the page's opening
-            out.extend([f"## `{path}`", ""])
+            out.extend([f"## {path}", ""])
         usage = f"{path} {' '.join(cmd.collect_usage_pieces(ctx))}".rstrip()
         out.extend(["```", usage, "```", ""])
         if cmd.help:
