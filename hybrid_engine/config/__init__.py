@@ -33,6 +33,7 @@ from hybrid_engine.config.loading import (
     parse_overrides,
     redact,
     redacted_keys,
+    registries_reference,
 )
 from hybrid_engine.config.root import HybridConfig
 from hybrid_engine.config.training import (
@@ -59,5 +60,5 @@ __all__ = [
     "OptimConfig", "PipelineConfig", "RayConfig", "RefConfig", "RewardConfig", "RolloutConfig",
     "RegistryConfig", "RolloutLayout", "Section", "StorageConfig", "TinyModelConfig", "TrackingConfig",
     "TrainerConfig", "ValSamplingConfig", "config_from_dict", "config_reference", "flatten",
-    "import_plugins", "load_config", "parse_overrides", "redact", "redacted_keys",
+    "import_plugins", "load_config", "parse_overrides", "redact", "redacted_keys", "registries_reference",
 ]  # fmt: skip

@@ -216,7 +216,7 @@ def config_reference() -> str:
                 for name, f in HybridConfig.model_fields.items()}  # fmt: skip
     for name, section in defaults.items():
         walk(section, f"{name}.")
-    return "\n".join(lines + registries_reference()).strip() + "\n"
+    return "\n".join(lines).strip() + "\n"
 
 
 _NEEDS = {
@@ -247,14 +247,16 @@ def registry_keys() -> dict[str, list[str]]:
     return out
 
 
-def registries_reference() -> list[str]:
-    """Every registry's names as a markdown table, read from the registries (their source;
-    with the plugins imported, a user's own appear too)."""
+def registries_reference() -> str:
+    """Every registry's names as markdown, one section per registry, read from the registries
+    (their modules' source; with the plugins imported, a user's own appear too)."""
     keys = registry_keys()
     lines: list[str] = []
     for reg in REGISTRIES:
         used = ", ".join(f"`{k}`" for k in keys.get(reg.var, [])) or "—"
-        lines += ["", f"**{reg.kind}s** (`{reg.var}`; {used})", ""]
+        lines += ["", f"## {reg.kind[0].upper()}{reg.kind[1:]}s", ""]
+        lines += [f"Config: {used}. Yours: `@{reg.var}.register(\"name\")` (`hybrid_engine.registry`) "
+                  "in a module listed in `algorithm.plugins`.", ""]  # fmt: skip
         lines += ["| name | what | registered with |", "| --- | --- | --- |"]
         for name in reg:
             info = dict(reg.info(name))
@@ -264,4 +266,4 @@ def registries_reference() -> list[str]:
             if reg is ADV_ESTIMATORS:
                 notes = [_NEEDS[n] for n in sorted(estimator_needs(name))] or ["needs nothing more"]
             lines.append(f"| `{name}` | {summary} | {', '.join(notes) or '—'} |")
-    return lines
+    return "\n".join(lines).strip() + "\n"
