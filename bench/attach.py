@@ -57,8 +57,10 @@ def main() -> None:
         for i in range(args.drivers):
             out = subprocess.run(
                 [sys.executable, "-c", DRIVER.format(overrides=overrides)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(
                 f"warm driver {i + 1}: connect {r['connect_s']:.2f} s, re-attach "

@@ -35,19 +35,33 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # servers.py: moto, prefect server, the TCP proxy
 
 BIN = Path(sys.executable).parent
-COMMON = ["reward.function=reward_fns:length_score", "trainer.save_freq=5",
-          "trainer.test_freq=0", "trainer.val_before_train=false",
-          "actor.skip_nonfinite_steps=true", "storage.timeout_s=2", "storage.retries=1",
-          "pipeline.retries=4", "pipeline.retry_delay_s=1", "pipeline.max_recoveries=10",
-          "pipeline.recovery_delay_s=1", "pipeline.stage_timeout_s=5",
-          "ray.call_timeout_s=300"]  # fmt: skip
+COMMON = [
+    "reward.function=reward_fns:length_score",
+    "trainer.save_freq=5",
+    "trainer.test_freq=0",
+    "trainer.val_before_train=false",
+    "actor.skip_nonfinite_steps=true",
+    "storage.timeout_s=2",
+    "storage.retries=1",
+    "pipeline.retries=4",
+    "pipeline.retry_delay_s=1",
+    "pipeline.max_recoveries=10",
+    "pipeline.recovery_delay_s=1",
+    "pipeline.stage_timeout_s=5",
+    "ray.call_timeout_s=300",
+]
 SETUPS = {
-    "ray": ("configs/ppo_tiny.yaml", ["trainer.backend=ray", "ray.pool_name=chaos",
-                                       "actor.layout.dp=2", "ray.critic=separate"],
-            ["kill_actor", "kill_critic", "stop_worker", "s3_cut", "sigterm", "nan"]),
-    "local": ("configs/grpo_tiny.yaml", ["rollout.micro_batch_size=8"],
-              ["s3_cut", "sigterm", "nan"]),
-}  # fmt: skip
+    "ray": (
+        "configs/ppo_tiny.yaml",
+        ["trainer.backend=ray", "ray.pool_name=chaos", "actor.layout.dp=2", "ray.critic=separate"],
+        ["kill_actor", "kill_critic", "stop_worker", "s3_cut", "sigterm", "nan"],
+    ),
+    "local": (
+        "configs/grpo_tiny.yaml",
+        ["rollout.micro_batch_size=8"],
+        ["s3_cut", "sigterm", "nan"],
+    ),
+}
 CUT_S = 10.0
 
 
@@ -56,8 +70,9 @@ def schedule(kinds: list[str], k: int, steps: int, rng: random.Random, flags: Pa
     drawn = kinds + [rng.choice([x for x in kinds if x != "nan"]) for _ in range(k - len(kinds))]
     rng.shuffle(drawn)
     faults = []
-    for i, (kind, step) in enumerate(zip(drawn, sorted(rng.sample(range(2, steps), k)),
-                                         strict=True)):  # fmt: skip
+    for i, (kind, step) in enumerate(
+        zip(drawn, sorted(rng.sample(range(2, steps), k)), strict=True)
+    ):
         stage = rng.choice(STAGES)
         if kind == "kill_actor":
             spec = f"step-{step}/{stage}:start=kill-worker:actor-{rng.randrange(2)}@0.1"
@@ -76,8 +91,9 @@ def schedule(kinds: list[str], k: int, steps: int, rng: random.Random, flags: Pa
     return faults
 
 
-def drive(args: list[str], run_id: str, env: dict, pending: list[str], proxy, log: Path,
-          out_dir: Path) -> dict:  # fmt: skip
+def drive(
+    args: list[str], run_id: str, env: dict, pending: list[str], proxy, log: Path, out_dir: Path
+) -> dict:
     """Run the driver until the run finishes: restart after SIGTERM (exit 143) the way the
     deployment trigger does, and after any other failure as a person would."""
     fired_log = log.with_suffix(".fired")  # which faults already happened, per run
@@ -88,9 +104,14 @@ def drive(args: list[str], run_id: str, env: dict, pending: list[str], proxy, lo
         todo = [p for p in pending if p not in fired(fired_log)]
         run_env = {**env, "HYBRIDRL_FAULT": ";".join(todo), "HYBRIDRL_FAULT_LOG": str(fired_log)}
         with open(log, "a") as f:
-            proc = subprocess.Popen([str(BIN / "python"), "-m", "flows.cli", *cmd], cwd=ROOT,
-                                    env=run_env, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [str(BIN / "python"), "-m", "flows.cli", *cmd],
+                cwd=ROOT,
+                env=run_env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             cut_until = None
             while proc.poll() is None or cut_until is not None:
                 for flag in out_dir.glob("cut-*"):  # a driver paused before a commit
@@ -112,8 +133,13 @@ def drive(args: list[str], run_id: str, env: dict, pending: list[str], proxy, lo
             if failed > 3:
                 raise SystemExit(f"{run_id}: the driver failed {failed} times: {errors}")
         cmd = ["resume", run_id, *[a for a in args if a.startswith("storage.")]]
-    return {"drivers": drivers, "preempted": preempted, "failed": failed, "errors": errors,
-            "fired": fired(fired_log)}  # fmt: skip
+    return {
+        "drivers": drivers,
+        "preempted": preempted,
+        "failed": failed,
+        "errors": errors,
+        "fired": fired(fired_log),
+    }
 
 
 def fired(path: Path) -> list[str]:
@@ -125,8 +151,9 @@ def last_error(log: Path) -> str:
     return lines[-1] if lines else "(no error line)"
 
 
-def run_backend(backend: str, k: int, steps: int, seed: int, s3: str, proxy, env: dict,
-                out_dir: Path) -> dict:  # fmt: skip
+def run_backend(
+    backend: str, k: int, steps: int, seed: int, s3: str, proxy, env: dict, out_dir: Path
+) -> dict:
     import fsspec
     import torch
     from safetensors.torch import load as st_load
@@ -137,8 +164,11 @@ def run_backend(backend: str, k: int, steps: int, seed: int, s3: str, proxy, env
     bucket = f"chaos-{backend}-{int(time.time())}"
     fs = fsspec.filesystem("s3", endpoint_url=s3)
     fs.mkdir(bucket)
-    where = [f"storage.root=s3://{bucket}/runs", f"storage.endpoint_url=http://127.0.0.1:{proxy.port}",
-             f"tracking.uri=sqlite:///{out_dir}/mlflow-{backend}.db"]  # fmt: skip
+    where = [
+        f"storage.root=s3://{bucket}/runs",
+        f"storage.endpoint_url=http://127.0.0.1:{proxy.port}",
+        f"tracking.uri=sqlite:///{out_dir}/mlflow-{backend}.db",
+    ]
     args = [config, f"trainer.total_training_steps={steps}", *COMMON, *extra, *where]
     nan = [f["spec"] for f in faults if f["kind"] == "nan"]
 
@@ -149,8 +179,15 @@ def run_backend(backend: str, k: int, steps: int, seed: int, s3: str, proxy, env
         raise SystemExit(f"{backend}: the reference run failed: {ref['errors']}")
     down(backend, env, bucket)
     began = time.perf_counter()
-    got = drive(args, "chaos", env, [f["spec"] for f in faults], proxy,
-                out_dir / f"{backend}-chaos.log", out_dir)  # fmt: skip
+    got = drive(
+        args,
+        "chaos",
+        env,
+        [f["spec"] for f in faults],
+        proxy,
+        out_dir / f"{backend}-chaos.log",
+        out_dir,
+    )
     chaos_s = time.perf_counter() - began
     leftovers = down(backend, env, bucket)
 
@@ -167,15 +204,25 @@ def run_backend(backend: str, k: int, steps: int, seed: int, s3: str, proxy, env
     cuts = [f for f in faults if f["kind"] == "s3_cut"]
     terms = [f for f in faults if f["kind"] == "sigterm"]
     return {
-        "backend": backend, "faults": faults, "fired": len(got["fired"]),
-        "worker_faults": len(worker), "recoveries": len(events), "s3_cuts": len(cuts),
-        "nan_skipped_minibatches": skipped, "sigterm": len(terms),
-        "restarted_after_sigterm": got["preempted"], "needing_a_person": got["failed"],
-        "errors": got["errors"], "weights_equal": equal, "reference_s": ref_s,
-        "chaos_s": chaos_s, "overhead_per_fault_s": (chaos_s - ref_s) / max(1, len(faults)),
+        "backend": backend,
+        "faults": faults,
+        "fired": len(got["fired"]),
+        "worker_faults": len(worker),
+        "recoveries": len(events),
+        "s3_cuts": len(cuts),
+        "nan_skipped_minibatches": skipped,
+        "sigterm": len(terms),
+        "restarted_after_sigterm": got["preempted"],
+        "needing_a_person": got["failed"],
+        "errors": got["errors"],
+        "weights_equal": equal,
+        "reference_s": ref_s,
+        "chaos_s": chaos_s,
+        "overhead_per_fault_s": (chaos_s - ref_s) / max(1, len(faults)),
         "rebuild_s": [round(e.get("rebuild_s", 0.0), 1) for e in events],
-        "drivers": got["drivers"], "left_running": leftovers,
-    }  # fmt: skip
+        "drivers": got["drivers"],
+        "left_running": leftovers,
+    }
 
 
 def down(backend: str, env: dict, bucket: str) -> list[str]:
@@ -190,8 +237,12 @@ def down(backend: str, env: dict, bucket: str) -> list[str]:
     head = Path(env["HYBRIDRL_RAY_STATE"]) / "head.json"
     temp_dir = json.loads(head.read_text())["temp_dir"] if head.is_file() else None
     if backend == "ray":
-        subprocess.run([str(BIN / "hybridrl"), "pool", "down", "--pool", "chaos"], env=env,
-                       capture_output=True, timeout=300)  # fmt: skip
+        subprocess.run(
+            [str(BIN / "hybridrl"), "pool", "down", "--pool", "chaos"],
+            env=env,
+            capture_output=True,
+            timeout=300,
+        )
     time.sleep(2)
     left = [f"{p.pid} {p.name()}" for p in _head_processes(temp_dir)] if temp_dir else []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -204,18 +255,39 @@ def down(backend: str, env: dict, bucket: str) -> list[str]:
 def table(results: list[dict]) -> str:
     rows = [
         ("faults injected (fired)", lambda r: f"{len(r['faults'])} ({r['fired']})"),
-        ("  worker kill / SIGSTOP -> pool re-created in the run", lambda r: f"{r['worker_faults']} -> {r['recoveries']}"),
-        ("  S3 cut 10 s -> ridden out by retries", lambda r: f"{r['s3_cuts']} -> {r['s3_cuts'] if not r['needing_a_person'] else '?'}"),
-        ("  NaN advantages -> mini-batches skipped", lambda r: f"1 -> {r['nan_skipped_minibatches']:.0f}"),
-        ("  SIGTERM -> exit 143, restarted by resume", lambda r: f"{r['sigterm']} -> {r['restarted_after_sigterm']}"),
+        (
+            "  worker kill / SIGSTOP -> pool re-created in the run",
+            lambda r: f"{r['worker_faults']} -> {r['recoveries']}",
+        ),
+        (
+            "  S3 cut 10 s -> ridden out by retries",
+            lambda r: f"{r['s3_cuts']} -> {r['s3_cuts'] if not r['needing_a_person'] else '?'}",
+        ),
+        (
+            "  NaN advantages -> mini-batches skipped",
+            lambda r: f"1 -> {r['nan_skipped_minibatches']:.0f}",
+        ),
+        (
+            "  SIGTERM -> exit 143, restarted by resume",
+            lambda r: f"{r['sigterm']} -> {r['restarted_after_sigterm']}",
+        ),
         ("needing a person", lambda r: str(r["needing_a_person"])),
-        ("final weights equal to the reference run", lambda r: "yes" if r["weights_equal"] else "NO"),
-        ("wall: reference / with faults", lambda r: f"{r['reference_s']:.0f} s / {r['chaos_s']:.0f} s"),
+        (
+            "final weights equal to the reference run",
+            lambda r: "yes" if r["weights_equal"] else "NO",
+        ),
+        (
+            "wall: reference / with faults",
+            lambda r: f"{r['reference_s']:.0f} s / {r['chaos_s']:.0f} s",
+        ),
         ("overhead per fault", lambda r: f"{r['overhead_per_fault_s']:.1f} s"),
         ("pool re-creations (s each)", lambda r: ", ".join(map(str, r["rebuild_s"])) or "-"),
         ("driver processes started", lambda r: str(r["drivers"])),
-        ("left running afterwards", lambda r: "nothing" if not r["left_running"] else "; ".join(r["left_running"])),
-    ]  # fmt: skip
+        (
+            "left running afterwards",
+            lambda r: "nothing" if not r["left_running"] else "; ".join(r["left_running"]),
+        ),
+    ]
     head = "| | " + " | ".join(r["backend"] for r in results) + " |"
     lines = [head, "| --- |" + " --- |" * len(results)]
     lines += [f"| {name} | " + " | ".join(fn(r) for r in results) + " |" for name, fn in rows]
@@ -237,16 +309,25 @@ def main() -> None:
     moto, s3 = start_moto()
     prefect, api = start_prefect(out / "prefect-home")
     proxy = TcpProxy(int(s3.rsplit(":", 1)[1]))
-    env = {**os.environ, "PREFECT_API_URL": api, "PYTHONPATH": str(ROOT / "tests"),
-           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "HYBRIDRL_RAY_STATE": str(out / "ray")}  # fmt: skip
-    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                           "AWS_DEFAULT_REGION")})  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": api,
+        "PYTHONPATH": str(ROOT / "tests"),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "HYBRIDRL_RAY_STATE": str(out / "ray"),
+    }
+    os.environ.update(
+        {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    )
     results = []
     try:
         for backend in a.backends.split(","):
-            print(f"[chaos] {backend}: {a.faults} faults over {a.steps} steps (logs in {out})",
-                  flush=True)  # fmt: skip
+            print(
+                f"[chaos] {backend}: {a.faults} faults over {a.steps} steps (logs in {out})",
+                flush=True,
+            )
             r = run_backend(backend, a.faults, a.steps, a.seed, s3, proxy, env, out)
             for f in r["faults"]:
                 print(f"  {f['kind']:<12} {f['spec']}")

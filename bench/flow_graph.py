@@ -42,8 +42,10 @@ def main(name: str) -> None:
     for _nid, n in sorted(nodes.items(), key=lambda kv: kv[1]["start_time"]):
         end = ts(n["end_time"]) if n["end_time"] else float("nan")
         ups = ", ".join(dict.fromkeys(label[p["id"]] for p in n["parents"] if p["id"] in label))
-        print(f"{n['label']:<22} {n['state_type']:<10} {ts(n['start_time']) - ts(t0):8.2f} "
-              f"{end - ts(n['start_time']):7.2f}  {ups}")  # fmt: skip
+        print(
+            f"{n['label']:<22} {n['state_type']:<10} {ts(n['start_time']) - ts(t0):8.2f} "
+            f"{end - ts(n['start_time']):7.2f}  {ups}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,12 +44,17 @@ def arithmetic_rows(count: int) -> list[dict]:
     rows = []
     for i in range(count):
         a, b = 3 + 7 * i % 50, 11 + 13 * i % 40
-        rows.append({
-            "prompt": [{"role": "system", "content": SYSTEM},
-                       {"role": "user", "content": f"What is {a} + {b}?"}],
-            "data_source": "gpu_check", "reward_model": {"ground_truth": str(a + b)},
-            "extra_info": {},
-        })  # fmt: skip
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                ],
+                "data_source": "gpu_check",
+                "reward_model": {"ground_truth": str(a + b)},
+                "extra_info": {},
+            }
+        )
     return rows
 
 
@@ -87,8 +92,9 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     ids, mask = batch["prompt_ids"].to(DEVICE), batch["prompt_mask"].to(DEVICE)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     ours = decode(model, ids, mask, SamplingParams(12, temperature=0.0), eos, pad)
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                         pad_token_id=pad)[:, ids.shape[1]:]  # fmt: skip
+    ref = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=pad
+    )[:, ids.shape[1] :]
     ref = torch.nn.functional.pad(ref, (0, 12 - ref.shape[1]), value=pad)
     ours = torch.nn.functional.pad(ours, (0, 12 - ours.shape[1]), value=pad)
     out["decode_greedy_equals_generate"] = bool(torch.equal(ours, ref))
@@ -136,8 +142,14 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     return out
 
 
-def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # noqa: ANN001
-              extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
+def run_actor(
+    tokenizer,
+    dtype: str,
+    prompts: int,
+    n: int,
+    new_tokens: int,  # noqa: ANN001
+    extra: tuple[str, ...] = (),
+) -> dict:
     """Build the actor on CUDA, then per round: generate, score, GRPO advantages, update.
     `extra` overrides make a recipe of it (LoRA, GSPO): then the old log-probs are computed
     up front and the update takes two optimizer steps, so the second one is off-policy."""
@@ -148,16 +160,30 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # n
     from hybrid_engine.rollout.base import SamplingParams
 
     rows = prompts * n
-    cfg = load_config(str(ROOT / "configs/demo_cpu.yaml"), [
-        f"model.dtype={dtype}", "trainer.backend=ray",
-        f"ray.num_gpus_per_rank={int(DEVICE == 'cuda')}",
-        f"data.train_batch_size={prompts}", f"rollout.n={n}",
-        f"rollout.max_new_tokens={new_tokens}", f"rollout.micro_batch_size={rows}",
-        f"actor.ppo_mini_batch_size={rows}", f"actor.ppo_micro_batch_size={min(rows, 64)}",
-        f"actor.log_prob_micro_batch_size={min(rows, 64)}",
-        *([f"actor.ppo_mini_batch_size={rows // 2}",
-           f"actor.ppo_micro_batch_size={min(rows // 2, 64)}"] if extra else []), *extra,
-    ])  # fmt: skip
+    cfg = load_config(
+        str(ROOT / "configs/demo_cpu.yaml"),
+        [
+            f"model.dtype={dtype}",
+            "trainer.backend=ray",
+            f"ray.num_gpus_per_rank={int(DEVICE == 'cuda')}",
+            f"data.train_batch_size={prompts}",
+            f"rollout.n={n}",
+            f"rollout.max_new_tokens={new_tokens}",
+            f"rollout.micro_batch_size={rows}",
+            f"actor.ppo_mini_batch_size={rows}",
+            f"actor.ppo_micro_batch_size={min(rows, 64)}",
+            f"actor.log_prob_micro_batch_size={min(rows, 64)}",
+            *(
+                [
+                    f"actor.ppo_mini_batch_size={rows // 2}",
+                    f"actor.ppo_micro_batch_size={min(rows // 2, 64)}",
+                ]
+                if extra
+                else []
+            ),
+            *extra,
+        ],
+    )
     assert cfg.device == DEVICE
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -177,12 +203,16 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # n
         # that varies on random weights, whose responses all run to full length)
         scores = torch.zeros(mask.shape, dtype=torch.float32)
         last = (mask.sum(-1) - 1).clamp(min=0)
-        scores[torch.arange(rows), last] = torch.tensor([
-            sum(t.startswith("Ġ") for t in tokenizer.convert_ids_to_tokens(r[m.bool()]))
-            / max(int(m.sum()), 1) for r, m in zip(out["response_ids"], mask, strict=True)
-        ])  # fmt: skip
-        adv, _ = compute_advantage("grpo", token_level_rewards=scores, response_mask=mask,
-                                   index=uid)  # fmt: skip
+        scores[torch.arange(rows), last] = torch.tensor(
+            [
+                sum(t.startswith("Ġ") for t in tokenizer.convert_ids_to_tokens(r[m.bool()]))
+                / max(int(m.sum()), 1)
+                for r, m in zip(out["response_ids"], mask, strict=True)
+            ]
+        )
+        adv, _ = compute_advantage(
+            "grpo", token_level_rewards=scores, response_mask=mask, index=uid
+        )
         out["advantages"] = adv
         if extra:
             out = out.union(actor.compute_log_prob(out))
@@ -193,13 +223,23 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # n
         metrics = actor.update_actor(out)
         sync()
         update_s = time.perf_counter() - start
-        timings.append({"gen_s": gen_s, "update_s": update_s, "tokens": int(mask.sum()),
-                        "grad_norm": metrics["actor/grad_norm"]})  # fmt: skip
-    moved = sum(float((a.float() - b.detach().float()).abs().max()) for a, b in
-                zip(before, actor.policy.parameters(), strict=True))  # fmt: skip
-    frozen_moved = sum(float((a.float() - b.detach().float()).abs().max()) for a, b in
-                       zip(before, actor.policy.parameters(), strict=True)
-                       if not b.requires_grad)  # fmt: skip
+        timings.append(
+            {
+                "gen_s": gen_s,
+                "update_s": update_s,
+                "tokens": int(mask.sum()),
+                "grad_norm": metrics["actor/grad_norm"],
+            }
+        )
+    moved = sum(
+        float((a.float() - b.detach().float()).abs().max())
+        for a, b in zip(before, actor.policy.parameters(), strict=True)
+    )
+    frozen_moved = sum(
+        float((a.float() - b.detach().float()).abs().max())
+        for a, b in zip(before, actor.policy.parameters(), strict=True)
+        if not b.requires_grad
+    )
     finite = all(bool(torch.isfinite(p).all()) for p in actor.policy.parameters())
 
     # plain `generate` at the same batch: the rollout baseline
@@ -211,9 +251,16 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # n
         sync()
         start = time.perf_counter()
         with torch.no_grad():
-            gen = model.generate(input_ids=ids, attention_mask=pmask, max_new_tokens=new_tokens,
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=pmask,
+                max_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         sync()
         seconds = time.perf_counter() - start
         resp = gen[:, ids.shape[1] :]
@@ -222,17 +269,23 @@ def run_actor(tokenizer, dtype: str, prompts: int, n: int, new_tokens: int,  # n
         plain.append(tokens / seconds)
     measured = timings[1:]
     return {
-        "dtype": dtype, "prompts": prompts, "samples": n, "new_tokens": new_tokens,
-        "overrides": list(extra), "frozen_weights_moved": frozen_moved,
+        "dtype": dtype,
+        "prompts": prompts,
+        "samples": n,
+        "new_tokens": new_tokens,
+        "overrides": list(extra),
+        "frozen_weights_moved": frozen_moved,
         "gen_s": [round(t["gen_s"], 3) for t in measured],
         "rollout_tok_s": [round(t["tokens"] / t["gen_s"]) for t in measured],
         "update_s": [round(t["update_s"], 3) for t in measured],
         "plain_generate_tok_s": round(plain[-1]),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if DEVICE == "cuda" else None,
-        "weights_moved_max_abs_sum": moved, "weights_finite": finite,
+        if DEVICE == "cuda"
+        else None,
+        "weights_moved_max_abs_sum": moved,
+        "weights_finite": finite,
         "grad_norms": [round(t["grad_norm"], 4) for t in measured],
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -263,8 +316,10 @@ def main() -> None:
             failed.append("decode")
         if eq["head_log_probs_max_abs_diff"] > 1e-4:
             failed.append("head_log_probs")
-        if max(eq["packed_vs_padded_logp_max_abs_diff"],
-               eq["packed_vs_padded_grad_max_abs_diff"]) > 1e-4:  # fmt: skip
+        if (
+            max(eq["packed_vs_padded_logp_max_abs_diff"], eq["packed_vs_padded_grad_max_abs_diff"])
+            > 1e-4
+        ):
             failed.append("packing")
     except Exception:
         traceback.print_exc()
@@ -287,9 +342,14 @@ def main() -> None:
                 torch.cuda.empty_cache()
     # the 2026 recipes on the actor worker, bf16: one LoRA update (with the base as the
     # reference of a KL loss) and one GSPO update; each takes two optimizer steps a round
-    recipes = {"lora": ("actor.lora.rank=16", "actor.lora.alpha=32", "actor.use_kl_loss=true"),
-               "gspo": ("actor.policy_loss.mode=gspo", "actor.clip_ratio_low=3e-4",
-                        "actor.clip_ratio_high=4e-4")}  # fmt: skip
+    recipes = {
+        "lora": ("actor.lora.rank=16", "actor.lora.alpha=32", "actor.use_kl_loss=true"),
+        "gspo": (
+            "actor.policy_loss.mode=gspo",
+            "actor.clip_ratio_low=3e-4",
+            "actor.clip_ratio_high=4e-4",
+        ),
+    }
     report["recipes"] = {}
     shape = (8, 4, 32) if DEVICE == "cuda" else (2, 2, 20)
     for name, extra in recipes.items():

@@ -20,9 +20,13 @@ from pathlib import Path
 
 VARIANTS = {
     "full fine-tuning": ["actor.use_kl_loss=true"],
-    "LoRA r=16": ["actor.use_kl_loss=true", "actor.lora.rank=16", "actor.lora.alpha=32",
-                  "actor.optim.lr=1e-4"],
-}  # fmt: skip
+    "LoRA r=16": [
+        "actor.use_kl_loss=true",
+        "actor.lora.rank=16",
+        "actor.lora.alpha=32",
+        "actor.optim.lr=1e-4",
+    ],
+}
 
 
 def one(steps: int, overrides: list[str]) -> dict:
@@ -68,14 +72,29 @@ def main() -> None:
     results = {}
     for name, overrides in VARIANTS.items():
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, __file__, "--steps", str(args.steps), "--out", tmp.name,
-                   "--one", json.dumps([*overrides, *args.overrides])]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--steps",
+                str(args.steps),
+                "--out",
+                tmp.name,
+                "--one",
+                json.dumps([*overrides, *args.overrides]),
+            ]
             subprocess.run(cmd, check=True)
             results[name] = json.loads(Path(tmp.name).read_text())
         print(name, json.dumps(results[name]), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    keys = ["trainable_params", "median_step_s", "peak_rss_gb", "checkpoint_mb",
-            "weights_file_mb", "optimizer_state_mb", "reference_copy"]  # fmt: skip
+    keys = [
+        "trainable_params",
+        "median_step_s",
+        "peak_rss_gb",
+        "checkpoint_mb",
+        "weights_file_mb",
+        "optimizer_state_mb",
+        "reference_copy",
+    ]
     print("\n| | " + " | ".join(results) + " |\n|---|" + "---|" * len(results))
     for k in keys:
         cells = [f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for r in results.values()]

@@ -29,12 +29,21 @@ from hybrid_engine.pool.pool import stop_local_head  # noqa: E402
 def run(model: str, ranks: int, separate: bool, steps: int, overrides: list[str]) -> dict:
     cfg = load_config(
         "configs/demo_cpu.yaml",
-        [f"model.path={model}", "trainer.backend=ray", f"ray.pool_name=bench-mem-{ranks}",
-         f"actor.layout.dp={ranks}", f"actor.layout.rollout.separate_copy={separate}",
-         "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=16",
-         "actor.ppo_micro_batch_size=4", "rollout.micro_batch_size=8",
-         "trainer.num_threads=1", *overrides],
-    )  # fmt: skip
+        [
+            f"model.path={model}",
+            "trainer.backend=ray",
+            f"ray.pool_name=bench-mem-{ranks}",
+            f"actor.layout.dp={ranks}",
+            f"actor.layout.rollout.separate_copy={separate}",
+            "data.train_batch_size=4",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size=4",
+            "rollout.micro_batch_size=8",
+            "trainer.num_threads=1",
+            *overrides,
+        ],
+    )
     engine = Engine(cfg)
     history = [engine.step(s) for s in range(1, steps + 1)]
     workers = engine.pool.status()

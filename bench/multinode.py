@@ -40,13 +40,20 @@ os.environ.setdefault("HYBRIDRL_RAY_STATE", os.path.join(tempfile.gettempdir(), 
 import hybrid_engine  # noqa: E402, F401  (Ray's environment, set before ray is first imported)
 
 MODELS = {  # preset, overrides (2 ranks: mini-batches divide by 2)
-    "tiny": ("configs/grpo_tiny.yaml", ["reward.function=reward_fns:length_score",
-                                        "rollout.micro_batch_size=8"]),
-    "smollm2": ("configs/demo_cpu.yaml", ["data.train_batch_size=4",
-                                          "actor.ppo_mini_batch_size=16",
-                                          "actor.ppo_micro_batch_size=4",
-                                          "trainer.val_before_train=false"]),
-}  # fmt: skip
+    "tiny": (
+        "configs/grpo_tiny.yaml",
+        ["reward.function=reward_fns:length_score", "rollout.micro_batch_size=8"],
+    ),
+    "smollm2": (
+        "configs/demo_cpu.yaml",
+        [
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=16",
+            "actor.ppo_micro_batch_size=4",
+            "trainer.val_before_train=false",
+        ],
+    ),
+}
 PLACEMENTS = {"one node": "pack", "two nodes": "strict_spread"}
 
 
@@ -60,9 +67,17 @@ def run(model: str, steps: int, placement: str | None) -> tuple[dict, list[dict]
     if placement is None:
         cfg = load_config(ROOT / preset, common)
     else:
-        cfg = load_config(ROOT / preset, [*common, "trainer.backend=ray", "actor.layout.dp=2",
-                                          f"ray.pool_name=mn-{placement}",
-                                          f"ray.placement={placement}", "ray.call_timeout_s=600"])  # fmt: skip
+        cfg = load_config(
+            ROOT / preset,
+            [
+                *common,
+                "trainer.backend=ray",
+                "actor.layout.dp=2",
+                f"ray.pool_name=mn-{placement}",
+                f"ray.placement={placement}",
+                "ray.call_timeout_s=600",
+            ],
+        )
     engine = Engine(cfg)
     nodes = {}
     if placement is not None:
@@ -81,9 +96,14 @@ def max_diff(a: dict, b: dict) -> float:
 
 def timings(hist: list[dict]) -> dict[str, float]:
     rows = hist[1:] or hist  # after the warm-up step
-    return {name: statistics.median(h[key] for h in rows)
-            for name, key in (("step_s", "timing_s/step"), ("update_s", "timing_s/update_actor"),
-                              ("reshard_s", "timing_s/reshard"))}  # fmt: skip
+    return {
+        name: statistics.median(h[key] for h in rows)
+        for name, key in (
+            ("step_s", "timing_s/step"),
+            ("update_s", "timing_s/update_actor"),
+            ("reshard_s", "timing_s/reshard"),
+        )
+    }
 
 
 def probe(numel: int, node_ids: list[str], repeats: int = 5) -> dict[str, float]:
@@ -123,8 +143,10 @@ def probe(numel: int, node_ids: list[str], repeats: int = 5) -> dict[str, float]
             dist.destroy_process_group()
             return {k: statistics.median(v[1:]) for k, v in out.items()}
 
-    ranks = [Rank.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
-             for n in node_ids]  # fmt: skip
+    ranks = [
+        Rank.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+        for n in node_ids
+    ]
     init = f"tcp://127.0.0.1:{ray.get(ranks[0].port.remote())}"
     got = ray.get([r.time.remote(init, i, numel, repeats) for i, r in enumerate(ranks)])
     for r in ranks:
@@ -149,8 +171,12 @@ def main() -> None:
     from hybrid_engine.pool import cluster as ray_cluster
     from hybrid_engine.pool.pool import connect
 
-    results: dict[str, Any] = {"cpu": _cpu(), "cores": os.cpu_count(), "steps": args.steps,
-                               "models": {}}  # fmt: skip
+    results: dict[str, Any] = {
+        "cpu": _cpu(),
+        "cores": os.cpu_count(),
+        "steps": args.steps,
+        "models": {},
+    }
     ray_cluster.stop_local_head()
     try:
         ray_cluster.local_head(start=True, num_cpus=2)
@@ -167,17 +193,24 @@ def main() -> None:
             for name, placement in PLACEMENTS.items():
                 t = time.perf_counter()
                 final[name], hist, nodes = run(model, args.steps, placement)
-                row[name] = timings(hist) | {"wall_s": time.perf_counter() - t, "ranks_on": nodes,
-                                             "vs_reference_max_diff": max_diff(final[name], ref)}  # fmt: skip
+                row[name] = timings(hist) | {
+                    "wall_s": time.perf_counter() - t,
+                    "ranks_on": nodes,
+                    "vs_reference_max_diff": max_diff(final[name], ref),
+                }
                 print(f"[multinode] {model} {name}: {row[name]}", flush=True)
             row["one_vs_two_nodes_max_diff"] = max_diff(final["one node"], final["two nodes"])
             numel = sum(v.numel() for v in ref.values())  # what the probe moves
             row["params"] = numel
-            row["collectives"] = {"one node": probe(numel, [node_ids[0], node_ids[0]]),
-                                  "two nodes": probe(numel, node_ids[:2])}  # fmt: skip
-            print(f"[multinode] {model}: one vs two nodes max diff "
-                  f"{row['one_vs_two_nodes_max_diff']:.3g}; collectives {row['collectives']}",
-                  flush=True)  # fmt: skip
+            row["collectives"] = {
+                "one node": probe(numel, [node_ids[0], node_ids[0]]),
+                "two nodes": probe(numel, node_ids[:2]),
+            }
+            print(
+                f"[multinode] {model}: one vs two nodes max diff "
+                f"{row['one_vs_two_nodes_max_diff']:.3g}; collectives {row['collectives']}",
+                flush=True,
+            )
             results["models"][model] = row
             del ref, final
     finally:
@@ -191,25 +224,35 @@ def main() -> None:
 
 
 def report(r: dict[str, Any]) -> str:
-    lines = [f"# Pool on two Ray nodes vs one ({r['cpu']}, {r['cores']} cores; {r['steps']} "
-             "steps, medians after the first)", "",
-             "| model | placement | step s | update s | reshard s | max diff vs 1 rank |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"# Pool on two Ray nodes vs one ({r['cpu']}, {r['cores']} cores; {r['steps']} "
+        "steps, medians after the first)",
+        "",
+        "| model | placement | step s | update s | reshard s | max diff vs 1 rank |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for model, row in r["models"].items():
         for name in ("reference", *PLACEMENTS):
             t = row[name]
             diff = f"{t['vs_reference_max_diff']:.2g}" if name in PLACEMENTS else "-"
-            lines.append(f"| {model} | {name} | {t['step_s']:.2f} | {t['update_s']:.2f} | "
-                         f"{t['reshard_s']:.3f} | {diff} |")  # fmt: skip
-    lines += ["", "| model | fp32 elements moved (state dict; a tied lm_head twice) | one vs two "
-              "nodes max diff | all-gather s (1 node / 2) | reduce-scatter s (1 node / 2) |",
-              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+            lines.append(
+                f"| {model} | {name} | {t['step_s']:.2f} | {t['update_s']:.2f} | "
+                f"{t['reshard_s']:.3f} | {diff} |"
+            )
+    lines += [
+        "",
+        "| model | fp32 elements moved (state dict; a tied lm_head twice) | one vs two "
+        "nodes max diff | all-gather s (1 node / 2) | reduce-scatter s (1 node / 2) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for model, row in r["models"].items():
         c = row["collectives"]
-        lines.append(f"| {model} | {row['params']:,} | {row['one_vs_two_nodes_max_diff']:.2g} | "
-                     f"{c['one node']['all_gather_s']:.4f} / {c['two nodes']['all_gather_s']:.4f} | "
-                     f"{c['one node']['reduce_scatter_s']:.4f} / "
-                     f"{c['two nodes']['reduce_scatter_s']:.4f} |")  # fmt: skip
+        lines.append(
+            f"| {model} | {row['params']:,} | {row['one_vs_two_nodes_max_diff']:.2g} | "
+            f"{c['one node']['all_gather_s']:.4f} / {c['two nodes']['all_gather_s']:.4f} | "
+            f"{c['one node']['reduce_scatter_s']:.4f} / "
+            f"{c['two nodes']['reduce_scatter_s']:.4f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

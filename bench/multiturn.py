@@ -48,10 +48,15 @@ def measure(engine: Engine, steps: int) -> dict:
         turns += sum(batch["turns"]) if "turns" in batch else len(batch)
         rows += len(batch)
     return {
-        "policy_tokens": tokens, "observation_tokens": obs, "wall_s": wall,
-        "tokens_per_s": tokens / wall, "generate_share": gen / wall, "env_share": env / wall,
-        "turns_per_sample": turns / rows, "samples": rows,
-    }  # fmt: skip
+        "policy_tokens": tokens,
+        "observation_tokens": obs,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "generate_share": gen / wall,
+        "env_share": env / wall,
+        "turns_per_sample": turns / rows,
+        "samples": rows,
+    }
 
 
 def tool_call_costs(calls: int = 200) -> dict:
@@ -91,30 +96,42 @@ def main() -> None:
     engine = Engine(cfg)
     multi = measure(engine, args.steps)
     budget = mt.max_turns * cfg.rollout.max_new_tokens
-    engine.cfg = load_config(args.preset, [*args.overrides, "rollout.multi_turn.enabled=false",
-                                           f"rollout.max_new_tokens={budget}"])  # fmt: skip
+    engine.cfg = load_config(
+        args.preset,
+        [*args.overrides, "rollout.multi_turn.enabled=false", f"rollout.max_new_tokens={budget}"],
+    )
     single = measure(engine, args.steps)
     result = {
-        "cpu": cpu_model(), "preset": args.preset, "overrides": args.overrides,
-        "environment": mt.environment, "max_turns": mt.max_turns,
-        "max_new_tokens_per_turn": cfg.rollout.max_new_tokens, "single_turn_max_new_tokens": budget,
-        "multi_turn": multi, "single_turn": single, "peak_rss_gb": peak_rss_gb(),
+        "cpu": cpu_model(),
+        "preset": args.preset,
+        "overrides": args.overrides,
+        "environment": mt.environment,
+        "max_turns": mt.max_turns,
+        "max_new_tokens_per_turn": cfg.rollout.max_new_tokens,
+        "single_turn_max_new_tokens": budget,
+        "multi_turn": multi,
+        "single_turn": single,
+        "peak_rss_gb": peak_rss_gb(),
         "tool_runner": tool_call_costs(),
-    }  # fmt: skip
+    }
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(
         f"{result['cpu']}, {mt.environment}, {args.steps} steps x {multi['samples'] // args.steps} samples"
     )
     for name, r in (("multi-turn", multi), ("single-turn", single)):
-        print(f"  {name:11s}: {r['policy_tokens']} policy tokens (+{r['observation_tokens']} "
-              f"observation) in {r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tokens/s; "
-              f"{r['turns_per_sample']:.2f} turns/sample; generate {100 * r['generate_share']:.0f}%, "
-              f"environment {100 * r['env_share']:.2f}% of the wall time")  # fmt: skip
+        print(
+            f"  {name:11s}: {r['policy_tokens']} policy tokens (+{r['observation_tokens']} "
+            f"observation) in {r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tokens/s; "
+            f"{r['turns_per_sample']:.2f} turns/sample; generate {100 * r['generate_share']:.0f}%, "
+            f"environment {100 * r['env_share']:.2f}% of the wall time"
+        )
     print(f"  peak RSS {result['peak_rss_gb']:.2f} GB")
     t = result["tool_runner"]
-    print(f"  tool runner: first call {1000 * t['first_call_s']:.0f} ms, then "
-          f"{1000 * t['per_call_s']:.2f} ms per call; after a timeout kill "
-          f"{1000 * t['restart_after_kill_s']:.0f} ms to the next answer")  # fmt: skip
+    print(
+        f"  tool runner: first call {1000 * t['first_call_s']:.0f} ms, then "
+        f"{1000 * t['per_call_s']:.2f} ms per call; after a timeout kill "
+        f"{1000 * t['restart_after_kill_s']:.0f} ms to the next answer"
+    )
 
 
 if __name__ == "__main__":

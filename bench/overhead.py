@@ -28,8 +28,12 @@ VARIANTS = ("loop", "flow-local", "flow-ray")
 
 def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> dict:
     """Inside the child process: run and return {step: seconds} plus context."""
-    common = [f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
-              "trainer.test_freq=0", *overrides]  # fmt: skip
+    common = [
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        *overrides,
+    ]
     began = time.perf_counter()
     if variant == "loop":
         from hybrid_engine.config import load_config
@@ -81,18 +85,32 @@ def main() -> None:
     results: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
     for rep in range(args.repeat):
         for variant in results:
-            cmd = [sys.executable, __file__, "--child", variant, "--steps", str(args.steps),
-                   "--config", args.config, *args.overrides]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                "--steps",
+                str(args.steps),
+                "--config",
+                args.config,
+                *args.overrides,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not line:
-                sys.exit(f"{variant} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-3000:]}")  # fmt: skip
+                sys.exit(
+                    f"{variant} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-3000:]}"
+                )
             r = json.loads(line[0].removeprefix("RESULT "))
             results[variant].append(r)
-            print(f"run {rep + 1} {variant:>10}: s/step "
-                  + "  ".join(f"{float(v):6.2f}" for v in r["step_s"].values())
-                  + f"   (process {r['total_s']:.1f} s)", flush=True)  # fmt: skip
+            print(
+                f"run {rep + 1} {variant:>10}: s/step "
+                + "  ".join(f"{float(v):6.2f}" for v in r["step_s"].values())
+                + f"   (process {r['total_s']:.1f} s)",
+                flush=True,
+            )
 
     def med(variant: str, key: str) -> float:
         vals = []
@@ -100,17 +118,22 @@ def main() -> None:
             for s, wall in r["step_s"].items():
                 m = r["metrics"][s]
                 gen, upd = m.get("timing_s/gen", 0.0), m.get("timing_s/update_actor", 0.0)
-                vals.append({"wall": wall, "gen": gen, "update": upd,
-                             "other": wall - gen - upd}[key])  # fmt: skip
+                vals.append(
+                    {"wall": wall, "gen": gen, "update": upd, "other": wall - gen - upd}[key]
+                )
         return statistics.median(vals)
 
-    print(f"\n{'variant':>10} {'s/step':>8} {'gen s':>7} {'update s':>9} {'other s':>8} "
-          f"{'vs loop':>8}")  # fmt: skip
+    print(
+        f"\n{'variant':>10} {'s/step':>8} {'gen s':>7} {'update s':>9} {'other s':>8} "
+        f"{'vs loop':>8}"
+    )
     base = med("loop", "wall") if "loop" in results else None
     for v in results:
         rel = f"{100 * (med(v, 'wall') / base - 1):+7.1f}%" if base else ""
-        print(f"{v:>10} {med(v, 'wall'):8.2f} {med(v, 'gen'):7.2f} {med(v, 'update'):9.2f} "
-              f"{med(v, 'other'):8.3f} {rel:>8}")  # fmt: skip
+        print(
+            f"{v:>10} {med(v, 'wall'):8.2f} {med(v, 'gen'):7.2f} {med(v, 'update'):9.2f} "
+            f"{med(v, 'other'):8.3f} {rel:>8}"
+        )
 
 
 if __name__ == "__main__":

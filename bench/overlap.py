@@ -44,8 +44,12 @@ MODES = {
     "sync-pool": ["trainer.num_threads=2", "trainer.backend=ray"],
     "async": ["trainer.num_threads=1", "trainer.max_staleness=1"],
 }
-COMMON = ["tracking.enabled=false", "trainer.save_freq=0", "trainer.val_before_train=false",
-          "trainer.test_freq=0"]  # fmt: skip
+COMMON = [
+    "tracking.enabled=false",
+    "trainer.save_freq=0",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+]
 
 
 def child(mode: str, steps: int, test_freq: int) -> None:
@@ -59,14 +63,20 @@ def child(mode: str, steps: int, test_freq: int) -> None:
     state = tempfile.mkdtemp(prefix="overlap-ray-")
     os.environ["HYBRIDRL_RAY_STATE"] = state
     with tempfile.TemporaryDirectory(prefix="overlap-") as root:
-        overrides = [*COMMON, *MODES[mode], f"trainer.total_training_steps={steps}",
-                     f"storage.root={root}", f"ray.pool_name=overlap-{mode}"]  # fmt: skip
+        overrides = [
+            *COMMON,
+            *MODES[mode],
+            f"trainer.total_training_steps={steps}",
+            f"storage.root={root}",
+            f"ray.pool_name=overlap-{mode}",
+        ]
         if test_freq:
             overrides += [f"trainer.test_freq={test_freq}", "trainer.val_before_train=true"]
         began = time.perf_counter()
         try:
-            result = train(config=str(ROOT / "configs/demo_cpu.yaml"), overrides=overrides,
-                           run_id="b")  # fmt: skip
+            result = train(
+                config=str(ROOT / "configs/demo_cpu.yaml"), overrides=overrides, run_id="b"
+            )
             summary = json.loads((Path(root) / "b/final/summary.json").read_text())
         finally:
             if mode != "sync-local":  # the pool and its local head go with the run
@@ -75,21 +85,44 @@ def child(mode: str, steps: int, test_freq: int) -> None:
     for h in summary["history"]:
         step = h["step"]
         record = {"step": step, "wall_s": result["step_wall_s"].get(step), "total_s": total}
-        for key in ("timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob",
-                    "timing_s/reward", "timing_s/adv", "timing_s/weight_publish",
-                    "timing_s/weight_sync", "timing_s/val", "val/accuracy",
-                    "critic/score/mean", "rollout_corr/rollout_is_mean",
-                    "rollout_corr/rollout_is_max", "rollout_corr/rollout_is_eff_sample_size",
-                    "rollout_corr/kl", "async/staleness/mean"):  # fmt: skip
+        for key in (
+            "timing_s/gen",
+            "timing_s/update_actor",
+            "timing_s/old_log_prob",
+            "timing_s/reward",
+            "timing_s/adv",
+            "timing_s/weight_publish",
+            "timing_s/weight_sync",
+            "timing_s/val",
+            "val/accuracy",
+            "critic/score/mean",
+            "rollout_corr/rollout_is_mean",
+            "rollout_corr/rollout_is_max",
+            "rollout_corr/rollout_is_eff_sample_size",
+            "rollout_corr/kl",
+            "async/staleness/mean",
+        ):
             if key in h:
                 record[key] = h[key]
         print("BENCH " + json.dumps(record), flush=True)
 
 
 def run_child(mode: str, steps: int, test_freq: int) -> list[dict[str, Any]]:
-    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(steps),
-                           "--test-freq", str(test_freq)], capture_output=True, text=True,
-                          cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--steps",
+            str(steps),
+            "--test-freq",
+            str(test_freq),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     rows = [json.loads(x[6:]) for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
     if proc.returncode or not rows:
         sys.exit(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -97,8 +130,14 @@ def run_child(mode: str, steps: int, test_freq: int) -> list[dict[str, Any]]:
 
 
 def machine() -> str:
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            x.split(":", 1)[1].strip()
+            for x in Path("/proc/cpuinfo").read_text().splitlines()
+            if x.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return f"{cpu}, {os.cpu_count()} cores"
 
 
@@ -114,8 +153,11 @@ def speed(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             rows = run_child(mode, args.steps + 1, 0)
             runs[mode].append([x for x in rows if x["step"] > 1])  # step 1 warms up
-            print(f"round {r + 1} {mode}: {time.perf_counter() - t0:.0f} s, median step "
-                  f"{med(runs[mode][-1], 'wall_s'):.2f} s", flush=True)  # fmt: skip
+            print(
+                f"round {r + 1} {mode}: {time.perf_counter() - t0:.0f} s, median step "
+                f"{med(runs[mode][-1], 'wall_s'):.2f} s",
+                flush=True,
+            )
     out: dict[str, Any] = {"machine": machine(), "steps": args.steps, "rounds": args.rounds}
     for mode, rounds in runs.items():
         rows = [x for rnd in rounds for x in rnd]
@@ -126,21 +168,35 @@ def speed(args: argparse.Namespace) -> None:
     write(args.out, "overlap", out, speed_lines(out))
 
 
-STAGES = ("wall_s", "timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob",
-          "timing_s/weight_publish", "timing_s/weight_sync")  # fmt: skip
+STAGES = (
+    "wall_s",
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "timing_s/old_log_prob",
+    "timing_s/weight_publish",
+    "timing_s/weight_sync",
+)
 
 
 def speed_lines(out: dict[str, Any]) -> list[str]:
     """The table and the estimate, from the medians alone (`--render` redraws them)."""
-    lines = [f"# Synchronous vs one-step off-policy: {out['machine']}", "",
-             f"Demo preset, {out['steps']} measured steps x {out['rounds']} rounds per mode "
-             "(alternating), medians.", "",
-             "| mode | step wall s | steps/hour | gen s | update s | old log-prob s | "
-             "publish s | sync s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"# Synchronous vs one-step off-policy: {out['machine']}",
+        "",
+        f"Demo preset, {out['steps']} measured steps x {out['rounds']} rounds per mode "
+        "(alternating), medians.",
+        "",
+        "| mode | step wall s | steps/hour | gen s | update s | old log-prob s | "
+        "publish s | sync s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for mode in MODES:
         m = out[mode]
-        lines.append(f"| {mode} | {m['wall_s']:.2f} | {m['steps_per_hour']:.0f} | "
-                     + " | ".join(f"{m[k]:.2f}" for k in STAGES[1:]) + " |")  # fmt: skip
+        lines.append(
+            f"| {mode} | {m['wall_s']:.2f} | {m['steps_per_hour']:.0f} | "
+            + " | ".join(f"{m[k]:.2f}" for k in STAGES[1:])
+            + " |"
+        )
     s, a = out["sync-local"], out["async"]
     gen, rest = s["timing_s/gen"], s["wall_s"] - s["timing_s/gen"]
     # what asynchronous training adds to the trainer's path: the old log-prob pass (the
@@ -148,35 +204,47 @@ def speed_lines(out: dict[str, Any]) -> list[str]:
     # on 1 thread, an upper bound of their cost on the whole device
     extra = a["timing_s/old_log_prob"] + a["timing_s/weight_publish"]
     low, high = max(gen, rest + extra), max(gen, rest)
-    out["own_devices_estimate"] = {"sync_s": gen + rest, "async_s": [high, low],
-                                   "speedup": [(gen + rest) / low, (gen + rest) / high]}  # fmt: skip
+    out["own_devices_estimate"] = {
+        "sync_s": gen + rest,
+        "async_s": [high, low],
+        "speedup": [(gen + rest) / low, (gen + rest) / high],
+    }
     ratio = a["steps_per_hour"] / s["steps_per_hour"]
     return lines + [
-        "", f"async vs sync-local: {ratio:.2f}x steps/hour on these 2 shared cores.",
+        "",
+        f"async vs sync-local: {ratio:.2f}x steps/hour on these 2 shared cores.",
         f"On paper, generation on devices of its own (sync-local's stages: gen {gen:.2f} s, "
         f"rest {rest:.2f} s; async adds old log-probs + publish <= {extra:.2f} s to the "
         f"trainer): step {gen + rest:.2f} -> {high:.2f}..{low:.2f} s, "
         f"{(gen + rest) / low:.2f}x..{(gen + rest) / high:.2f}x.",
-    ]  # fmt: skip
+    ]
 
 
 def learning(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {"machine": machine(), "steps": args.steps}
-    lines = [f"# Learning: synchronous vs one-step off-policy, same seed: {out['machine']}", "",
-             "| mode | step | wall min | val/accuracy |", "| --- | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"# Learning: synchronous vs one-step off-policy, same seed: {out['machine']}",
+        "",
+        "| mode | step | wall min | val/accuracy |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for mode in ("sync-local", "async"):
         rows = run_child(mode, args.steps, args.test_freq)
         elapsed, points = 0.0, []
         for x in sorted(rows, key=lambda r: r["step"]):
             elapsed += (x.get("wall_s") or 0.0) + x.get("timing_s/val", 0.0)
             if "val/accuracy" in x:
-                points.append({"step": x["step"], "wall_min": elapsed / 60,
-                               "accuracy": x["val/accuracy"]})  # fmt: skip
-                lines.append(f"| {mode} | {x['step']} | {elapsed / 60:.1f} | "
-                             f"{x['val/accuracy']:.3f} |")  # fmt: skip
+                points.append(
+                    {"step": x["step"], "wall_min": elapsed / 60, "accuracy": x["val/accuracy"]}
+                )
+                lines.append(
+                    f"| {mode} | {x['step']} | {elapsed / 60:.1f} | {x['val/accuracy']:.3f} |"
+                )
         out[mode] = {"points": points, "total_s": rows[0]["total_s"], "rows": rows}
-        print(f"{mode}: {rows[0]['total_s']:.0f} s, accuracy {[p['accuracy'] for p in points]}",
-              flush=True)  # fmt: skip
+        print(
+            f"{mode}: {rows[0]['total_s']:.0f} s, accuracy {[p['accuracy'] for p in points]}",
+            flush=True,
+        )
     write(args.out, "overlap-learning", out, lines)
 
 

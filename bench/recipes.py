@@ -42,9 +42,16 @@ def cpu_model() -> str:
 
 
 def run(recipe: str, steps: int, seed: int, every: int, overrides: list[str]) -> dict:
-    cfg = load_config(preset(recipe), [f"trainer.total_training_steps={steps}",
-                                       f"trainer.test_freq={every}", f"trainer.seed={seed}",
-                                       "trainer.val_before_train=true", *overrides])  # fmt: skip
+    cfg = load_config(
+        preset(recipe),
+        [
+            f"trainer.total_training_steps={steps}",
+            f"trainer.test_freq={every}",
+            f"trainer.seed={seed}",
+            "trainer.val_before_train=true",
+            *overrides,
+        ],
+    )
     start = time.perf_counter()
 
     def show(step: int, m: dict) -> None:
@@ -59,12 +66,20 @@ def run(recipe: str, steps: int, seed: int, every: int, overrides: list[str]) ->
     entropy = {s: rows[s].get("actor/entropy") for s in rows if s and s % every == 0}
     multi_turn = {  # multi-turn presets: held-out turns, and the training rollouts' per step
         key: {s: rows[s][key] for s in rows if key in rows[s]}
-        for key in ("val/turns/mean", "val/success_rate", "multi_turn/turns/mean",
-                    "multi_turn/success_rate", "multi_turn/tool_call_rate")
+        for key in (
+            "val/turns/mean",
+            "val/success_rate",
+            "multi_turn/turns/mean",
+            "multi_turn/success_rate",
+            "multi_turn/tool_call_rate",
+        )
         if any(key in r for r in rows.values())
-    }  # fmt: skip
+    }
     return {
-        "recipe": recipe, "preset": preset(recipe), "seed": seed, "steps": steps,
+        "recipe": recipe,
+        "preset": preset(recipe),
+        "seed": seed,
+        "steps": steps,
         "accuracy": {s: rows[s]["val/accuracy"] for s in rows if "val/accuracy" in rows[s]},
         "entropy": entropy,
         **({"multi_turn": multi_turn} if multi_turn else {}),
@@ -76,22 +91,39 @@ def run(recipe: str, steps: int, seed: int, every: int, overrides: list[str]) ->
         "peak_rss_gb": peak_rss_gb(),
         "val_questions": len(engine.data.val),
         "overrides": overrides,
-    }  # fmt: skip
+    }
 
 
 def table(results: list[dict], steps: int, every: int) -> str:
     marks = list(range(0, steps + 1, every))
-    head = ["recipe", *[f"step {s}" for s in marks], "wall min", "median step s",
-            "entropy at the end", "generation batches / step"]  # fmt: skip
+    head = [
+        "recipe",
+        *[f"step {s}" for s in marks],
+        "wall min",
+        "median step s",
+        "entropy at the end",
+        "generation batches / step",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in results:
-        acc = [f"{100 * r['accuracy'][str(s)]:.1f}%" if str(s) in r["accuracy"] else "—"
-               for s in marks]  # fmt: skip
+        acc = [
+            f"{100 * r['accuracy'][str(s)]:.1f}%" if str(s) in r["accuracy"] else "—" for s in marks
+        ]
         ent = r["entropy"].get(str(steps))
-        lines.append("| " + " | ".join([
-            r["recipe"], *acc, f"{r['wall_min']:.1f}", f"{r['median_step_s']:.1f}",
-            "—" if ent is None else f"{ent:.3f}", f"{r['gen_batches_per_step']:.2f}",
-        ]) + " |")  # fmt: skip
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["recipe"],
+                    *acc,
+                    f"{r['wall_min']:.1f}",
+                    f"{r['median_step_s']:.1f}",
+                    "—" if ent is None else f"{ent:.3f}",
+                    f"{r['gen_batches_per_step']:.2f}",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -112,15 +144,32 @@ def main() -> None:
         return
     doc = json.loads(out.read_text()) if out.is_file() else {"cpu": cpu_model(), "results": []}
     for recipe in args.recipes.split(","):
-        if any(r["recipe"] == recipe and r["seed"] == args.seed and r["steps"] == args.steps
-               and r["overrides"] == args.overrides for r in doc["results"]):  # fmt: skip
+        if any(
+            r["recipe"] == recipe
+            and r["seed"] == args.seed
+            and r["steps"] == args.steps
+            and r["overrides"] == args.overrides
+            for r in doc["results"]
+        ):
             print(f"{recipe}: in {out} already")
             continue
         print(f"{recipe}: {preset(recipe)}, {args.steps} steps, seed {args.seed}", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, __file__, "--one", recipe, "--steps", str(args.steps),
-                   "--every", str(args.every), "--seed", str(args.seed), "--out", tmp.name,
-                   *args.overrides]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                recipe,
+                "--steps",
+                str(args.steps),
+                "--every",
+                str(args.every),
+                "--seed",
+                str(args.seed),
+                "--out",
+                tmp.name,
+                *args.overrides,
+            ]
             if subprocess.run(cmd).returncode != 0:
                 print(f"{recipe}: failed (see above)", flush=True)
                 continue

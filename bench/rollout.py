@@ -53,8 +53,10 @@ def main() -> None:
     prompts = prompt_batch(rows, tok, 256)
     batch = prompts.repeat_interleave(args.n)
     ours = HFRollout(model, tok.pad_token_id, tok.eos_token_id, micro_batch_size=len(batch))
-    print(f"torch threads: {torch.get_num_threads()}, batch {len(batch)} sequences, "
-          f"{args.max_new_tokens} new tokens, temperature 1.0")  # fmt: skip
+    print(
+        f"torch threads: {torch.get_num_threads()}, batch {len(batch)} sequences, "
+        f"{args.max_new_tokens} new tokens, temperature 1.0"
+    )
     ours_tps, plain_tps, steps, tokens = [], [], [], []
     for r in range(args.repeats):
         sp = SamplingParams(args.max_new_tokens, 1.0, seed=r)
@@ -67,36 +69,48 @@ def main() -> None:
         start = time.perf_counter()
         with torch.no_grad():
             seq = model.generate(
-                input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
-                max_new_tokens=args.max_new_tokens, do_sample=True, temperature=1.0,
-                top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id,
+                input_ids=batch["prompt_ids"],
+                attention_mask=batch["prompt_mask"],
+                max_new_tokens=args.max_new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
-            )  # fmt: skip
+            )
         secs = time.perf_counter() - start
         resp = seq[:, batch["prompt_ids"].shape[1] :]
         plain_tokens = int(response_mask_from_ids(resp, tok.eos_token_id).sum())
         plain_tps.append(plain_tokens / secs)
-        print(f"repeat {r}: hybridrl hf {ours_tps[-1]:7.1f} tok/s ({out.meta['gen_tokens']} "
-              f"tokens, {steps[-1]} steps) | plain generate {plain_tps[-1]:7.1f} tok/s "
-              f"({plain_tokens} tokens)")  # fmt: skip
+        print(
+            f"repeat {r}: hybridrl hf {ours_tps[-1]:7.1f} tok/s ({out.meta['gen_tokens']} "
+            f"tokens, {steps[-1]} steps) | plain generate {plain_tps[-1]:7.1f} tok/s "
+            f"({plain_tokens} tokens)"
+        )
 
     # The floor: one step's matmuls per decode step, plus the distinct prompts' prefill.
     step_s = decode_step_matmuls_s(model, len(batch))
     with torch.no_grad():
         start = time.perf_counter()
-        model(input_ids=prompts["prompt_ids"], attention_mask=prompts["prompt_mask"],
-              logits_to_keep=1)  # fmt: skip
+        model(
+            input_ids=prompts["prompt_ids"], attention_mask=prompts["prompt_mask"], logits_to_keep=1
+        )
         prefill_s = time.perf_counter() - start
     best = statistics.median(
         k / (prefill_s + n * step_s) for k, n in zip(tokens, steps, strict=True)
     )
     plain = statistics.median(plain_tps)
-    print(f"median: hybridrl {statistics.median(ours_tps):.1f} tok/s, plain generate "
-          f"{plain:.1f} tok/s, ratio {statistics.median(ours_tps) / plain:.2f}x")  # fmt: skip
-    print(f"floor: one decode step's matmuls {1000 * step_s:.0f} ms at {len(batch)} rows "
-          f"(weights {sum(p.numel() for p in model.parameters()) * 4 / 1e6:.0f} MB read per "
-          f"step), prefill of the {len(prompts)} distinct prompts {prefill_s:.2f} s: at best "
-          f"{best:.0f} tok/s = {best / plain:.2f}x plain generate")  # fmt: skip
+    print(
+        f"median: hybridrl {statistics.median(ours_tps):.1f} tok/s, plain generate "
+        f"{plain:.1f} tok/s, ratio {statistics.median(ours_tps) / plain:.2f}x"
+    )
+    print(
+        f"floor: one decode step's matmuls {1000 * step_s:.0f} ms at {len(batch)} rows "
+        f"(weights {sum(p.numel() for p in model.parameters()) * 4 / 1e6:.0f} MB read per "
+        f"step), prefill of the {len(prompts)} distinct prompts {prefill_s:.2f} s: at best "
+        f"{best:.0f} tok/s = {best / plain:.2f}x plain generate"
+    )
 
 
 if __name__ == "__main__":

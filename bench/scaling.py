@@ -33,28 +33,42 @@ def measure(samples: int, length: int, steps: int, threads: int) -> dict[str, An
     from hybrid_engine.config import load_config
     from hybrid_engine.engine import Engine
 
-    cfg = load_config(ROOT / "configs/demo_cpu.yaml", [
-        f"data.train_batch_size={samples // SAMPLES_PER_PROMPT}",
-        f"rollout.n={SAMPLES_PER_PROMPT}", f"rollout.max_new_tokens={length}",
-        f"rollout.micro_batch_size={samples}", f"actor.ppo_mini_batch_size={samples}",
-        "reward.overlong_buffer_len=0", "trainer.val_before_train=false",
-        f"trainer.num_threads={threads}",
-    ])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs/demo_cpu.yaml",
+        [
+            f"data.train_batch_size={samples // SAMPLES_PER_PROMPT}",
+            f"rollout.n={SAMPLES_PER_PROMPT}",
+            f"rollout.max_new_tokens={length}",
+            f"rollout.micro_batch_size={samples}",
+            f"actor.ppo_mini_batch_size={samples}",
+            "reward.overlong_buffer_len=0",
+            "trainer.val_before_train=false",
+            f"trainer.num_threads={threads}",
+        ],
+    )
     engine = Engine(cfg)
     engine.actor.rollout.eos_token_id = -1  # no token is -1: every response has `length` tokens
     records = []
     for step in range(1, steps + 2):
         m = engine.step(step)
-        records.append({"step_s": m["timing_s/step"], "gen_s": m["timing_s/gen"],
-                        "update_s": m["timing_s/update_actor"],
-                        "response_tokens": m["response_length/mean"] * samples,
-                        "prompt_tokens": m["prompt_length/mean"] * samples})  # fmt: skip
+        records.append(
+            {
+                "step_s": m["timing_s/step"],
+                "gen_s": m["timing_s/gen"],
+                "update_s": m["timing_s/update_actor"],
+                "response_tokens": m["response_length/mean"] * samples,
+                "prompt_tokens": m["prompt_length/mean"] * samples,
+            }
+        )
     measured = records[1:]  # after the warm-up step
     point = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
     point |= {"samples": samples, "length": length, "steps": len(measured)}
     point["other_s"] = point["step_s"] - point["gen_s"] - point["update_s"]
-    print(f"[scaling] {samples:3d} samples x {length:3d} tokens: step {point['step_s']:6.1f} s "
-          f"(generation {point['gen_s']:5.1f}, update {point['update_s']:5.1f})", flush=True)  # fmt: skip
+    print(
+        f"[scaling] {samples:3d} samples x {length:3d} tokens: step {point['step_s']:6.1f} s "
+        f"(generation {point['gen_s']:5.1f}, update {point['update_s']:5.1f})",
+        flush=True,
+    )
     return point
 
 
@@ -85,14 +99,18 @@ def main() -> None:
 def table(r: dict[str, Any]) -> str:
     """Each sweep with the step time relative to its first point and to linear growth."""
     parts = []
-    for sweep, key, label in (("samples", "samples", "samples per step (32 tokens each)"),
-                              ("length", "length", "response tokens (32 samples)")):  # fmt: skip
+    for sweep, key, label in (
+        ("samples", "samples", "samples per step (32 tokens each)"),
+        ("length", "length", "response tokens (32 samples)"),
+    ):
         pts = r[sweep]
         base = pts[0]
-        lines = [f"| {label} | step (s) | generation (s) | update (s) | other (s) | "
-                 f"step / first | work / first | generation s per 1k tokens | "
-                 f"update s per 1k tokens |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines = [
+            f"| {label} | step (s) | generation (s) | update (s) | other (s) | "
+            f"step / first | work / first | generation s per 1k tokens | "
+            f"update s per 1k tokens |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for p in pts:
             tokens = p["response_tokens"] / 1000
             work = (p["prompt_tokens"] + p["response_tokens"]) / (
@@ -114,15 +132,22 @@ def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, sweep, key, xlabel in ((axes[0], "samples", "samples", "samples per step (32 tokens)"),
-                                   (axes[1], "length", "length", "response tokens (32 samples)")):  # fmt: skip
+    for ax, sweep, key, xlabel in (
+        (axes[0], "samples", "samples", "samples per step (32 tokens)"),
+        (axes[1], "length", "length", "response tokens (32 samples)"),
+    ):
         pts = r[sweep]
         xs = [p[key] for p in pts]
         ax.plot(xs, [p["step_s"] for p in pts], "o-", label="step", color="black")
         ax.plot(xs, [p["gen_s"] for p in pts], "s-", label="generation", color="#4c78a8")
         ax.plot(xs, [p["update_s"] for p in pts], "^-", label="update", color="#f58518")
-        ax.plot(xs, [pts[0]["step_s"] * x / xs[0] for x in xs], ":", color="grey",
-                label="step, if linear from the first point")  # fmt: skip
+        ax.plot(
+            xs,
+            [pts[0]["step_s"] * x / xs[0] for x in xs],
+            ":",
+            color="grey",
+            label="step, if linear from the first point",
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(xs, [str(x) for x in xs])

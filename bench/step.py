@@ -11,8 +11,17 @@ from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine
 from hybrid_engine.step_metrics import peak_rss_gb
 
-STAGES = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
-          "update_actor", "step"]  # fmt: skip
+STAGES = [
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "step",
+]
 
 
 def main() -> None:
@@ -22,16 +31,20 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config("configs/demo_cpu.yaml", args.overrides)
     engine = Engine(cfg)
-    print(f"{cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples, "
-          f"{cfg.rollout.max_new_tokens} new tokens, one-update shortcut: "
-          f"{engine.on_policy_single_update}")  # fmt: skip
+    print(
+        f"{cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples, "
+        f"{cfg.rollout.max_new_tokens} new tokens, one-update shortcut: "
+        f"{engine.on_policy_single_update}"
+    )
     header = " ".join(f"{s:>13}" for s in STAGES)
     print(f"{'step':>4} {header} {'resp_len':>8} {'gen tok/s':>9}")
     for step in range(1, args.steps + 1):
         m = engine.step(step)
         cells = " ".join(f"{m.get(f'timing_s/{s}', float('nan')):13.2f}" for s in STAGES)
-        print(f"{step:>4} {cells} {m['response_length/mean']:8.1f} "
-              f"{m['perf/tokens_per_s_rollout']:9.1f}")  # fmt: skip
+        print(
+            f"{step:>4} {cells} {m['response_length/mean']:8.1f} "
+            f"{m['perf/tokens_per_s_rollout']:9.1f}"
+        )
     print(f"peak RSS: {peak_rss_gb():.2f} GB")
 
 

@@ -47,10 +47,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # hybrid_engine, flows (also when not installed)
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 8, 4, 32, 1e-5
-OURS = ["trainer.val_before_train=false", "trainer.test_freq=0", "tracking.enabled=false",
-        "reward.overlong_buffer_len=0", f"actor.optim.lr={LR}", "actor.optim.warmup_steps=0",
-        f"data.train_batch_size={PROMPTS}", f"rollout.n={SAMPLES}",
-        f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.temperature=1.0"]  # fmt: skip
+OURS = [
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+    "tracking.enabled=false",
+    "reward.overlong_buffer_len=0",
+    f"actor.optim.lr={LR}",
+    "actor.optim.warmup_steps=0",
+    f"data.train_batch_size={PROMPTS}",
+    f"rollout.n={SAMPLES}",
+    f"rollout.max_new_tokens={NEW_TOKENS}",
+    "rollout.temperature=1.0",
+]
 
 
 def demo_config(overrides: list[str]):  # noqa: ANN201 - HybridConfig, imported late
@@ -72,20 +80,32 @@ def child_hybridrl(steps: int, threads: int, backend: str) -> None:
     from flows.train import train
 
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as root:  # ~2 GB of weights: removed
-        overrides = [*OURS, f"trainer.total_training_steps={steps}",
-                     f"trainer.num_threads={threads}", f"trainer.backend={backend}",
-                     f"storage.root={root}", "ray.pool_name=vs-trl", "trainer.save_freq=0"]  # fmt: skip
-        result = train(config=str(ROOT / "configs/demo_cpu.yaml"), overrides=overrides,
-                       run_id="b")  # fmt: skip
+        overrides = [
+            *OURS,
+            f"trainer.total_training_steps={steps}",
+            f"trainer.num_threads={threads}",
+            f"trainer.backend={backend}",
+            f"storage.root={root}",
+            "ray.pool_name=vs-trl",
+            "trainer.save_freq=0",
+        ]
+        result = train(config=str(ROOT / "configs/demo_cpu.yaml"), overrides=overrides, run_id="b")
         summary = json.loads((Path(root) / "b/final/summary.json").read_text())
     hist = {h["step"]: h for h in summary["history"] if h["step"] > 0}
     for step, wall in sorted(result["step_wall_s"].items()):
         m = hist[int(step)]
         tokens = m["response_length/mean"] * PROMPTS * SAMPLES
-        emit({"step": int(step), "step_s": wall, "gen_s": m["timing_s/gen"],
-              "gen_tokens": tokens, "prompt_tokens": m["prompt_length/mean"] * PROMPTS * SAMPLES,
-              "reward_s": m.get("timing_s/reward", 0.0),
-              "update_s": m.get("timing_s/update_actor", 0.0)})  # fmt: skip
+        emit(
+            {
+                "step": int(step),
+                "step_s": wall,
+                "gen_s": m["timing_s/gen"],
+                "gen_tokens": tokens,
+                "prompt_tokens": m["prompt_length/mean"] * PROMPTS * SAMPLES,
+                "reward_s": m.get("timing_s/reward", 0.0),
+                "update_s": m.get("timing_s/update_actor", 0.0),
+            }
+        )
 
 
 def child_trl(steps: int, threads: int) -> None:
@@ -113,8 +133,9 @@ def child_trl(steps: int, threads: int) -> None:
         return scorer.score([""] * len(texts), texts, [json.loads(r) for r in row])
 
     tokenizer = load_tokenizer(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path),
-                                                 dtype=torch.float32)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(cfg.model.path), dtype=torch.float32
+    )
     timing = {"gen_s": 0.0, "gen_tokens": 0, "prompt_tokens": 0}
     generate = model.generate
     eos = tokenizer.eos_token_id
@@ -140,17 +161,43 @@ def child_trl(steps: int, threads: int) -> None:
 
     out_dir = tempfile.mkdtemp(prefix="vs-trl-trl-")  # save_strategy="no": logs only, removed
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=PROMPTS * SAMPLES, steps_per_generation=1,
-        num_generations=SAMPLES, num_iterations=1, beta=0.0, gradient_checkpointing=False,
-        max_completion_length=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-        loss_type="dapo", scale_rewards="group", shuffle_dataset=False, max_steps=steps,
-        logging_steps=1, report_to="none", save_strategy="no", seed=cfg.trainer.seed,
-        dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Steps()])  # fmt: skip
+        output_dir=out_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        steps_per_generation=1,
+        num_generations=SAMPLES,
+        num_iterations=1,
+        beta=0.0,
+        gradient_checkpointing=False,
+        max_completion_length=NEW_TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        max_steps=steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=cfg.trainer.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Steps()],
+    )
     try:
         trainer.train()
     finally:
@@ -176,9 +223,16 @@ def child_generate(threads: int, repeats: int = 3) -> None:
         torch.manual_seed(i)
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
-                                 max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0,
-                                 top_p=1.0, top_k=0, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            out = model.generate(
+                input_ids=batch["prompt_ids"],
+                attention_mask=batch["prompt_mask"],
+                max_new_tokens=NEW_TOKENS,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         seconds = time.perf_counter() - start
         completion = out[:, batch["prompt_ids"].shape[1] :]
         tokens = int(response_mask_from_ids(completion, eos).sum())
@@ -226,13 +280,29 @@ def ray_processes() -> list[Any]:
 
 
 def run_child(kind: str, args: argparse.Namespace, extra=lambda: []) -> dict[str, Any]:  # noqa: ANN001
-    cmd = [sys.executable, __file__, "--child", kind, "--steps", str(args.steps + 1),
-           "--threads", str(args.threads), "--backend", args.backend]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--steps",
+        str(args.steps + 1),
+        "--threads",
+        str(args.threads),
+        "--backend",
+        args.backend,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(args.threads),
+    }
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     peak = [0]
     done = threading.Event()
 
@@ -253,8 +323,11 @@ def run_child(kind: str, args: argparse.Namespace, extra=lambda: []) -> dict[str
     sampler.join()
     if proc.returncode != 0:
         sys.exit(f"{kind} failed (exit {proc.returncode}):\n" + "\n".join(tail))
-    return {"records": records, "peak_rss_gb": peak[0] / 1024**3,
-            "wall_s": time.perf_counter() - start}  # fmt: skip
+    return {
+        "records": records,
+        "peak_rss_gb": peak[0] / 1024**3,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def summarize(name: str, runs: list[dict[str, Any]], params: float) -> dict[str, Any]:
@@ -269,14 +342,18 @@ def summarize(name: str, runs: list[dict[str, Any]], params: float) -> dict[str,
         "train_tokens_computed": computed,
         "train_gflops_computed": 6 * params * computed / train_s / 1e9,
         "records": steps,
-        "system": name, "steps_measured": len(steps), "step_s": med("step_s"),
-        "steps_per_hour": 3600 / med("step_s"), "gen_s": med("gen_s"),
+        "system": name,
+        "steps_measured": len(steps),
+        "step_s": med("step_s"),
+        "steps_per_hour": 3600 / med("step_s"),
+        "gen_s": med("gen_s"),
         "rollout_tokens_per_s": statistics.median(r["gen_tokens"] / r["gen_s"] for r in steps),
-        "train_s": train_s, "train_tokens": tokens,
+        "train_s": train_s,
+        "train_tokens": tokens,
         "train_gflops": 6 * params * tokens / train_s / 1e9,
         "peak_rss_gb": max(run["peak_rss_gb"] for run in runs),
         "step_s_all": [round(r["step_s"], 2) for r in steps],
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -289,10 +366,12 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        {"hybridrl": lambda: child_hybridrl(args.steps, args.threads, args.backend),
-         "trl": lambda: child_trl(args.steps, args.threads),
-         "generate": lambda: child_generate(args.threads),
-         "matmul": lambda: child_matmul(args.threads)}[args.child]()  # fmt: skip
+        {
+            "hybridrl": lambda: child_hybridrl(args.steps, args.threads, args.backend),
+            "trl": lambda: child_trl(args.steps, args.threads),
+            "generate": lambda: child_generate(args.threads),
+            "matmul": lambda: child_matmul(args.threads),
+        }[args.child]()
         return
 
     from safetensors import safe_open
@@ -302,9 +381,12 @@ def main() -> None:
     with safe_open(ensure_smollm2() / "model.safetensors", "pt") as f:
         params = float(sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()))  # noqa: SIM118
     extra = ray_processes if args.backend == "ray" else (lambda: [])
-    print(f"[bench] {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, "
-          f"{args.threads} threads, {params / 1e6:.1f}M parameters; {args.rounds} rounds of "
-          f"hybridrl ({args.backend}) / TRL, {args.steps} measured steps each", flush=True)  # fmt: skip
+    print(
+        f"[bench] {PROMPTS} prompts x {SAMPLES} samples, {NEW_TOKENS} new tokens, "
+        f"{args.threads} threads, {params / 1e6:.1f}M parameters; {args.rounds} rounds of "
+        f"hybridrl ({args.backend}) / TRL, {args.steps} measured steps each",
+        flush=True,
+    )
     probe = run_child("matmul", args)
     gflops_peak = statistics.median(r["gflops"] for r in probe["records"])
     print(f"[bench] fp32 matmul: {gflops_peak:.1f} GFLOP/s", flush=True)
@@ -315,11 +397,18 @@ def main() -> None:
             got = run_child(name, args, extra if name == "hybridrl" else (lambda: []))
             runs[name].append(got)
             s = [round(r["step_s"], 1) for r in got["records"]]
-            print(f"[bench] round {i + 1} {name}: steps {s} s, peak {got['peak_rss_gb']:.2f} GB, "
-                  f"process {got['wall_s']:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"[bench] round {i + 1} {name}: steps {s} s, peak {got['peak_rss_gb']:.2f} GB, "
+                f"process {got['wall_s']:.0f} s",
+                flush=True,
+            )
         if args.backend == "ray":
-            subprocess.run([sys.executable, "-m", "flows.cli", "pool", "down", "--pool", "vs-trl"],
-                           cwd=ROOT, capture_output=True, timeout=300)  # fmt: skip
+            subprocess.run(
+                [sys.executable, "-m", "flows.cli", "pool", "down", "--pool", "vs-trl"],
+                cwd=ROOT,
+                capture_output=True,
+                timeout=300,
+            )
     gen = run_child("generate", args)
     plain = statistics.median(r["gen_tokens"] / r["gen_s"] for r in gen["records"])
     ours, trl = (
@@ -329,14 +418,26 @@ def main() -> None:
     for s in (ours, trl):
         s["train_fraction_of_peak"] = s["train_gflops"] / gflops_peak
         s["train_computed_fraction_of_peak"] = s["train_gflops_computed"] / gflops_peak
-    report = {"work": {"prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS,
-                       "threads": args.threads, "backend": args.backend, "lr": LR},
-              "matmul_gflops": gflops_peak, "plain_generate_tokens_per_s": plain,
-              "hybridrl": ours, "trl": trl,
-              "ratios": {"steps_per_hour": ours["steps_per_hour"] / trl["steps_per_hour"],
-                         "rollout_tokens_per_s": ours["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"],
-                         "rollout_vs_plain_generate": ours["rollout_tokens_per_s"] / plain,
-                         "peak_rss": ours["peak_rss_gb"] / trl["peak_rss_gb"]}}  # fmt: skip
+    report = {
+        "work": {
+            "prompts": PROMPTS,
+            "samples": SAMPLES,
+            "new_tokens": NEW_TOKENS,
+            "threads": args.threads,
+            "backend": args.backend,
+            "lr": LR,
+        },
+        "matmul_gflops": gflops_peak,
+        "plain_generate_tokens_per_s": plain,
+        "hybridrl": ours,
+        "trl": trl,
+        "ratios": {
+            "steps_per_hour": ours["steps_per_hour"] / trl["steps_per_hour"],
+            "rollout_tokens_per_s": ours["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"],
+            "rollout_vs_plain_generate": ours["rollout_tokens_per_s"] / plain,
+            "peak_rss": ours["peak_rss_gb"] / trl["peak_rss_gb"],
+        },
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vs_trl.json").write_text(json.dumps(report, indent=2))
@@ -348,31 +449,65 @@ def main() -> None:
 def table(r: dict[str, Any]) -> str:
     o, t, q = r["hybridrl"], r["trl"], r["ratios"]
     rows = [
-        ("median seconds per step", f"{o['step_s']:.1f}", f"{t['step_s']:.1f}",
-         f"{q['steps_per_hour']:.2f}x steps/hour"),
+        (
+            "median seconds per step",
+            f"{o['step_s']:.1f}",
+            f"{t['step_s']:.1f}",
+            f"{q['steps_per_hour']:.2f}x steps/hour",
+        ),
         ("generation seconds per step", f"{o['gen_s']:.1f}", f"{t['gen_s']:.1f}", ""),
-        ("rollout tokens/s", f"{o['rollout_tokens_per_s']:.0f}", f"{t['rollout_tokens_per_s']:.0f}",
-         f"{q['rollout_tokens_per_s']:.2f}x"),
-        ("training seconds per step (step - generation)", f"{o['train_s']:.1f}",
-         f"{t['train_s']:.1f}", ""),
-        ("training GFLOP/s, work done (6 x params x prompt+response tokens of every sample)",
-         f"{o['train_gflops']:.1f}", f"{t['train_gflops']:.1f}", ""),
-        ("  as a fraction of the matmul peak", f"{o['train_fraction_of_peak']:.0%}",
-         f"{t['train_fraction_of_peak']:.0%}", ""),
-        ("training GFLOP/s, computed (hybridrl: each prompt once per 4 samples)",
-         f"{o['train_gflops_computed']:.1f}", f"{t['train_gflops_computed']:.1f}", ""),
-        ("  as a fraction of the matmul peak", f"{o['train_computed_fraction_of_peak']:.0%}",
-         f"{t['train_computed_fraction_of_peak']:.0%}", ""),
-        ("peak RSS, all processes (GB)", f"{o['peak_rss_gb']:.2f}", f"{t['peak_rss_gb']:.2f}",
-         f"{q['peak_rss']:.2f}x"),
-    ]  # fmt: skip
+        (
+            "rollout tokens/s",
+            f"{o['rollout_tokens_per_s']:.0f}",
+            f"{t['rollout_tokens_per_s']:.0f}",
+            f"{q['rollout_tokens_per_s']:.2f}x",
+        ),
+        (
+            "training seconds per step (step - generation)",
+            f"{o['train_s']:.1f}",
+            f"{t['train_s']:.1f}",
+            "",
+        ),
+        (
+            "training GFLOP/s, work done (6 x params x prompt+response tokens of every sample)",
+            f"{o['train_gflops']:.1f}",
+            f"{t['train_gflops']:.1f}",
+            "",
+        ),
+        (
+            "  as a fraction of the matmul peak",
+            f"{o['train_fraction_of_peak']:.0%}",
+            f"{t['train_fraction_of_peak']:.0%}",
+            "",
+        ),
+        (
+            "training GFLOP/s, computed (hybridrl: each prompt once per 4 samples)",
+            f"{o['train_gflops_computed']:.1f}",
+            f"{t['train_gflops_computed']:.1f}",
+            "",
+        ),
+        (
+            "  as a fraction of the matmul peak",
+            f"{o['train_computed_fraction_of_peak']:.0%}",
+            f"{t['train_computed_fraction_of_peak']:.0%}",
+            "",
+        ),
+        (
+            "peak RSS, all processes (GB)",
+            f"{o['peak_rss_gb']:.2f}",
+            f"{t['peak_rss_gb']:.2f}",
+            f"{q['peak_rss']:.2f}x",
+        ),
+    ]
     w = r["work"]
-    head = (f"{w['prompts']} prompts x {w['samples']} samples, {w['new_tokens']} new tokens, "
-            f"{w['threads']} threads, hybridrl backend {w['backend']}; fp32 matmul peak "
-            f"{r['matmul_gflops']:.1f} GFLOP/s; plain `model.generate` at the same batch "
-            f"{r['plain_generate_tokens_per_s']:.0f} tokens/s (hybridrl rollout "
-            f"{q['rollout_vs_plain_generate']:.2f}x of it); medians of {o['steps_measured']} "
-            f"(hybridrl) and {t['steps_measured']} (TRL) steps after a warm-up step each.\n\n")  # fmt: skip
+    head = (
+        f"{w['prompts']} prompts x {w['samples']} samples, {w['new_tokens']} new tokens, "
+        f"{w['threads']} threads, hybridrl backend {w['backend']}; fp32 matmul peak "
+        f"{r['matmul_gflops']:.1f} GFLOP/s; plain `model.generate` at the same batch "
+        f"{r['plain_generate_tokens_per_s']:.0f} tokens/s (hybridrl rollout "
+        f"{q['rollout_vs_plain_generate']:.2f}x of it); medians of {o['steps_measured']} "
+        f"(hybridrl) and {t['steps_measured']} (TRL) steps after a warm-up step each.\n\n"
+    )
     lines = ["| | hybridrl | TRL 1.16 | hybridrl / TRL |", "| --- | --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return head + "\n".join(lines) + "\n"

@@ -60,8 +60,14 @@ class _NoTraceback(logging.Filter):
         return True
 
 
-def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resume: bool,
-              debug: bool, fork_from: str | None = None) -> None:  # fmt: skip
+def _run_flow(
+    config: str | None,
+    overrides: list[str],
+    run_id: str | None,
+    resume: bool,
+    debug: bool,
+    fork_from: str | None = None,
+) -> None:
     try:
         from hybrid_engine.config import load_config
 
@@ -93,8 +99,9 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
             from storage.store import RunStore
 
             refuse_existing(RunStore(cfg.storage, run_id))
-            console.print(f"run id: [bold]{run_id}[/]"
-                          + (f" (a fork of {fork_from})" if fork_from else ""))  # fmt: skip
+            console.print(
+                f"run id: [bold]{run_id}[/]" + (f" (a fork of {fork_from})" if fork_from else "")
+            )
         if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
             from hybrid_engine.roles.workers import reuse_freed_memory
 
@@ -120,14 +127,17 @@ def _run_flow(config: str | None, overrides: list[str], run_id: str | None, resu
         rows = result.get("last", {})
         console.print(f"run {result['run_id']}: {result['steps']} steps recorded")
         if result.get("recoveries"):
-            console.print(f"recovered from {result['recoveries']} worker fault(s) on the way "
-                          "(run.json: recoveries)")  # fmt: skip
+            console.print(
+                f"recovered from {result['recoveries']} worker fault(s) on the way "
+                "(run.json: recoveries)"
+            )
         if "val/accuracy" in rows:
             console.print(f"final val/accuracy: {rows['val/accuracy']:.3f}")
         console.print(f"final policy: {result['uri']}")
         if result.get("registered"):
-            console.print(f"registered as {result['registered']['model']} in MLflow's "
-                          "Model Registry")  # fmt: skip
+            console.print(
+                f"registered as {result['registered']['model']} in MLflow's Model Registry"
+            )
         if result.get("pool"):
             console.print(
                 f"worker pool {result['pool']!r} stays up for the next run "
@@ -213,11 +223,11 @@ def fork(
         typer.Option(
             "--at", help="STEP/STAGE: the first stage the fork computes, e.g. 20/advantage"
         ),
-    ],  # fmt: skip
+    ],
     new_run_id: Annotated[
         str | None,
         typer.Option("--run-id", help="the fork's run id (default: <parent>-fork-<step>-<stage>)"),
-    ] = None,  # fmt: skip
+    ] = None,
     overrides: Overrides = None,
     debug: Debug = False,
 ) -> None:
@@ -240,7 +250,7 @@ def replay(
         typer.Argument(
             help="STEP/STAGE, e.g. 3/advantage (stages: rollout reward advantage update validate)"
         ),
-    ] = None,  # fmt: skip
+    ] = None,
     all_stages: Annotated[bool, typer.Option("--all", help="every committed stage")] = False,
     storage_root: Annotated[str | None, typer.Option("--storage-root")] = None,
     debug: Debug = False,
@@ -280,8 +290,11 @@ def replay(
         table = Table(title=f"replay of {run_id}")
         for col in ("stage", "result", "seconds"):
             table.add_column(col)
-        audits = (audit_run(engine, store) if all_stages
-                  else iter([Replayer(engine, store).replay(int(step), stage)]))  # fmt: skip
+        audits = (
+            audit_run(engine, store)
+            if all_stages
+            else iter([Replayer(engine, store).replay(int(step), stage)])
+        )
         differ = 0
         for a in audits:
             mark = {True: "[green]bit-equal[/]", False: f"[red]{a.detail}[/]", None: a.detail}
@@ -292,8 +305,10 @@ def replay(
             differ += a.equal is False
         if all_stages:
             console.print(table)
-        console.print(f"{'all equal' if not differ else f'{differ} stage(s) differ'} "
-                      f"({time.perf_counter() - began:.0f} s)")  # fmt: skip
+        console.print(
+            f"{'all equal' if not differ else f'{differ} stage(s) differ'} "
+            f"({time.perf_counter() - began:.0f} s)"
+        )
     except (KeyboardInterrupt, typer.Exit):
         raise
     except Exception as e:
@@ -331,8 +346,12 @@ def _checked_pool(pool: str) -> str:
     try:
         RayConfig(pool_name=pool)
     except ValidationError:
-        _fail(ValueError(f"--pool {pool!r} is not a pool name (letters, digits, _ . -; "
-                         "starting with a letter or digit; at most 63 characters)"))  # fmt: skip
+        _fail(
+            ValueError(
+                f"--pool {pool!r} is not a pool name (letters, digits, _ . -; "
+                "starting with a letter or digit; at most 63 characters)"
+            )
+        )
     return pool
 
 
@@ -364,12 +383,15 @@ def pool_status(pool: PoolName = "default") -> None:
     for w in workers:
         healthy = w.get("healthy")
         table.add_row(
-            w["name"], "+".join(w.get("roles", [])), f"{w.get('rank', '-')}/{w.get('world', '-')}",
-            str(w.get("pid", "-")), str(w.get("weights_version", "-")),
+            w["name"],
+            "+".join(w.get("roles", [])),
+            f"{w.get('rank', '-')}/{w.get('world', '-')}",
+            str(w.get("pid", "-")),
+            str(w.get("weights_version", "-")),
             f"{w['rss_gb']:.2f}" if "rss_gb" in w else "-",
             f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
             "ok" if healthy else f"[red]{w.get('error') or 'unhealthy'}[/]",
-        )  # fmt: skip
+        )
     console.print(table)
 
 

@@ -28,9 +28,13 @@ def workers_by_node() -> dict[str, list[str]]:
 
     from hybrid_engine.pool.pool import pool_status
 
-    pools = sorted({a["namespace"].removeprefix("hybridrl-")
-                    for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["namespace"].startswith("hybridrl-")})  # fmt: skip
+    pools = sorted(
+        {
+            a["namespace"].removeprefix("hybridrl-")
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"].startswith("hybridrl-")
+        }
+    )
     out: dict[str, list[str]] = {}
     for pool in pools:
         for w in pool_status(pool):
@@ -60,16 +64,20 @@ def status() -> None:
     for n in ray.nodes():
         node_id, total = n["NodeID"], n["Resources"]
         avail = free.get(node_id, {})
-        custom = {k: v for k, v in total.items() if k not in RAY_BUILTIN_RESOURCES
-                  and not k.startswith(("node:", "accelerator_type"))}  # fmt: skip
+        custom = {
+            k: v
+            for k, v in total.items()
+            if k not in RAY_BUILTIN_RESOURCES and not k.startswith(("node:", "accelerator_type"))
+        }
         table.add_row(
-            node_id[:12], n["NodeManagerAddress"],
+            node_id[:12],
+            n["NodeManagerAddress"],
             "head" if "node:__internal_head__" in total else "worker",
             "alive" if n["Alive"] else "[red]dead[/]",
             f"{avail.get('CPU', 0):g}/{total.get('CPU', 0):g}" if n["Alive"] else "-",
             ", ".join(f"{k}={v:g}" for k, v in sorted(custom.items())) or "-",
             ", ".join(placed.get(node_id, [])) or "-",
-        )  # fmt: skip
+        )
     console.print(table)
 
 

@@ -31,8 +31,15 @@ def evaluate(
     from flows.evaluate import evaluate as evaluate_flow
 
     try:
-        got = evaluate_flow(model=model, run_id=run_id, step=step, k=k, promote=promote,
-                            storage_root=storage_root, tracking_uri=tracking_uri)  # fmt: skip
+        got = evaluate_flow(
+            model=model,
+            run_id=run_id,
+            step=step,
+            k=k,
+            promote=promote,
+            storage_root=storage_root,
+            tracking_uri=tracking_uri,
+        )
     except Exception as e:
         fail(e)
     console.print(f"[bold]{got['evaluated']}[/]")
@@ -59,13 +66,16 @@ def register(
         if step is None:
             got = register_final.fn(cfg, store)
             if got is None:
-                raise ValueError(f"run {run_id}: tracking.enabled or registry.register_final "
-                                 "is false")  # fmt: skip
+                raise ValueError(
+                    f"run {run_id}: tracking.enabled or registry.register_final is false"
+                )
             name = got["model"]
         else:
             v = register_checkpoint(cfg, store, step)
             name = f"{v.name}/{v.version}"
     except Exception as e:
         fail(e)
-    console.print(f"registered as [bold]{name}[/]: load it with "
-                  f"mlflow.transformers.load_model('models:/{name}')")  # fmt: skip
+    console.print(
+        f"registered as [bold]{name}[/]: load it with "
+        f"mlflow.transformers.load_model('models:/{name}')"
+    )

@@ -48,18 +48,21 @@ def runs_list(tracking_uri: TrackingUri = None, experiment: Experiment = "hybrid
         m = r.data.metrics
         started = datetime.datetime.fromtimestamp(r.info.start_time / 1000)
         table.add_row(
-            r.data.tags.get("hybridrl.run_id", r.info.run_name), r.info.status,
+            r.data.tags.get("hybridrl.run_id", r.info.run_name),
+            r.info.status,
             r.data.params.get("trainer.total_training_steps", "-"),
             f"{m['critic/score/mean']:.3f}" if "critic/score/mean" in m else "-",
             f"{m['val/accuracy']:.3f}" if "val/accuracy" in m else "-",
-            started.strftime("%Y-%m-%d %H:%M"), r.info.run_id,
-        )  # fmt: skip
+            started.strftime("%Y-%m-%d %H:%M"),
+            r.info.run_id,
+        )
     console.print(table)
 
 
 @runs_app.command("show")
-def runs_show(run_id: str, tracking_uri: TrackingUri = None,
-              experiment: Experiment = "hybridrl") -> None:  # fmt: skip
+def runs_show(
+    run_id: str, tracking_uri: TrackingUri = None, experiment: Experiment = "hybridrl"
+) -> None:
     """One run: tags (storage, checkpoint, Prefect flow run) and its last metrics."""
     from storage.tracking import TrackingUnavailable, find_run
 
@@ -76,8 +79,9 @@ def runs_show(run_id: str, tracking_uri: TrackingUri = None,
 
 
 @runs_app.command("compare")
-def runs_compare(run_a: str, run_b: str, tracking_uri: TrackingUri = None,
-                 experiment: Experiment = "hybridrl") -> None:  # fmt: skip
+def runs_compare(
+    run_a: str, run_b: str, tracking_uri: TrackingUri = None, experiment: Experiment = "hybridrl"
+) -> None:
     """Two runs side by side: the config keys that differ, then their last metrics."""
     from rich.table import Table
 
@@ -105,8 +109,10 @@ def runs_compare(run_a: str, run_b: str, tracking_uri: TrackingUri = None,
         console.print(table)
     if forked := fork_point(a, b):  # a parent and its fork: the curves where they part
         step, which = forked
-        table = Table(title=f"from the fork point (step {step}; the fork is "
-                      f"{run_a if which == 'a' else run_b})")  # fmt: skip
+        table = Table(
+            title=f"from the fork point (step {step}; the fork is "
+            f"{run_a if which == 'a' else run_b})"
+        )
         table.add_column("step")
         for key in CURVE_KEYS:
             table.add_column(f"{key}\n{run_a}")
@@ -169,9 +175,10 @@ def runs_tree(run_id: str, storage_root: StorageRoot = None) -> None:
 
 @runs_app.command("delete")
 def runs_delete(
-    run_id: str, storage_root: StorageRoot = None,
+    run_id: str,
+    storage_root: StorageRoot = None,
     yes: Annotated[bool, typer.Option("--yes", help="do not ask")] = False,
-) -> None:  # fmt: skip
+) -> None:
     """Delete a run's stored stages, checkpoints and final policy, except what its forks
     still reference (kept, and removed with the last fork that uses it); its MLflow run is
     marked deleted. A deleted run cannot be resumed or forked."""
@@ -189,8 +196,10 @@ def runs_delete(
     console.print(f"run {run_id}: removed {got['removed_bytes'] / mb:.1f} MiB")
     if got["kept"]:
         forks = sorted({f for v in got["kept"].values() for f in v})
-        console.print(f"kept {len(got['kept'])} stage/checkpoint directories "
-                      f"({got['kept_bytes'] / mb:.1f} MiB) that forks {', '.join(forks)} use")  # fmt: skip
+        console.print(
+            f"kept {len(got['kept'])} stage/checkpoint directories "
+            f"({got['kept_bytes'] / mb:.1f} MiB) that forks {', '.join(forks)} use"
+        )
     for parent in got["also_removed"]:
         console.print(f"removed deleted run {parent}: no fork uses its objects any more")
     if doc.get("mlflow_run_id") and doc.get("mlflow_tracking_uri"):

@@ -64,8 +64,10 @@ def read_deployments(path: Path, names: list[str]) -> list[dict[str, Any]]:
     by_name = {d["name"]: d for d in found}
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise DeployError(f"no deployment {', '.join(map(repr, unknown))} in {path} "
-                          f"(it has: {', '.join(by_name)})")  # fmt: skip
+        raise DeployError(
+            f"no deployment {', '.join(map(repr, unknown))} in {path} "
+            f"(it has: {', '.join(by_name)})"
+        )
     chosen = [by_name[n] for n in names] if names else found
     for d in chosen:
         params = d.get("parameters") or {}
@@ -106,15 +108,32 @@ def deploy(names: list[str], path: Path = DEFAULT_FILE) -> dict[str, Any]:
     chosen = read_deployments(path, names)
     created = ensure_pools(chosen)
     which = [a for d in chosen for a in ("--name", d["name"])] if names else ["--all"]
-    cmd = [str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deploy",
-           "--prefect-file", str(path), *which]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "prefect"),
+        "--no-prompt",
+        "deploy",
+        "--prefect-file",
+        str(path),
+        *which,
+    ]
     env = {**os.environ, "HYBRIDRL_HOME": str(ROOT), "PREFECT_API_URL": url}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
         raise DeployError("prefect deploy failed: " + " | ".join(tail))
-    return {"api_url": url, "pools_created": created, "home": str(ROOT),
-            "deployments": [{"name": f"{flow_name(d)}/{d['name']}", "pool": d["work_pool"]["name"],
-                             "schedules": [s.get("cron") or s.get("interval") or s.get("rrule")
-                                           for s in d.get("schedules") or []]}
-                            for d in chosen]}  # fmt: skip
+    return {
+        "api_url": url,
+        "pools_created": created,
+        "home": str(ROOT),
+        "deployments": [
+            {
+                "name": f"{flow_name(d)}/{d['name']}",
+                "pool": d["work_pool"]["name"],
+                "schedules": [
+                    s.get("cron") or s.get("interval") or s.get("rrule")
+                    for s in d.get("schedules") or []
+                ],
+            }
+            for d in chosen
+        ],
+    }

@@ -112,9 +112,13 @@ class LiveDisplay:
         self._redirect_logs()
         self.total = total
         self.steps = self.progress.add_task(
-            f"run {run_id}", total=total, completed=start - 1, eta="", kind="steps",
+            f"run {run_id}",
+            total=total,
+            completed=start - 1,
+            eta="",
+            kind="steps",
             count=f"{start - 1}/{total}",
-        )  # fmt: skip
+        )
 
     def stage_started(self, step: int, stage: str, engine: Any) -> None:
         if self.step_began is None and step > 0:

@@ -60,16 +60,18 @@ def evaluate(
         version = resolve_version(client, model)
         run_id = version.tags["hybridrl.run_id"]
         storage_root = version.tags["hybridrl.storage_uri"].rsplit("/", 1)[0]
-    store = RunStore(StorageConfig(root=storage_root) if storage_root else HybridConfig().storage,
-                     run_id)  # fmt: skip
+    store = RunStore(
+        StorageConfig(root=storage_root) if storage_root else HybridConfig().storage, run_id
+    )
     doc = store.read_run()
     if doc is None:
         raise FileNotFoundError(f"no run {run_id!r} under {store.cfg.root}")
     with tempfile.TemporaryDirectory(prefix="hybridrl-eval-") as tmp:
         cfg, engine, what = policy_engine(doc, store, version, step, tmp, uri)
         k = k or cfg.registry.eval_k
-        logger.info("evaluating %s on %d held-out questions, %d samples each", what,
-                    len(engine.data.val), k)  # fmt: skip
+        logger.info(
+            "evaluating %s on %d held-out questions, %d samples each", what, len(engine.data.val), k
+        )
         metrics = evaluate_policy(engine, k)
     logger.info("%s: %s", what, ", ".join(f"{m} {v:.3f}" for m, v in metrics.items()))
     log_evaluation(client, doc, cfg, what, metrics)
@@ -95,8 +97,9 @@ def resolve_version(client: Any, model: str) -> Any:
     return client.get_model_version(name, number)
 
 
-def policy_engine(doc: dict, store: RunStore, version: Any, step: int | None, tmp: str,
-                  tracking: str) -> tuple[HybridConfig, Engine, str]:  # fmt: skip
+def policy_engine(
+    doc: dict, store: RunStore, version: Any, step: int | None, tmp: str, tracking: str
+) -> tuple[HybridConfig, Engine, str]:
     """An in-process engine on the run's config holding the policy to evaluate."""
     overrides = [*IN_PROCESS, f"storage.root={store.cfg.root}"]
     if version is not None:  # the registered policy, loaded back through MLflow
@@ -123,8 +126,9 @@ def policy_engine(doc: dict, store: RunStore, version: Any, step: int | None, tm
     return cfg, engine, what
 
 
-def log_evaluation(client: Any, doc: dict, cfg: HybridConfig, what: str,
-                   metrics: dict[str, float]) -> str:  # fmt: skip
+def log_evaluation(
+    client: Any, doc: dict, cfg: HybridConfig, what: str, metrics: dict[str, float]
+) -> str:
     """An MLflow run `eval <what>` in the run's experiment, nested under its training run."""
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.experiment)

@@ -32,10 +32,20 @@ from storage.store import RunStore, new_run_id, validate_run_id
 
 # What a resumed run may change: where things live and run, not what is computed.
 RESUME_MAY_CHANGE = (
-    "storage.", "ray.", "pipeline.", "tracking.", "registry.", "trainer.total_training_steps",
-    "trainer.num_threads", "trainer.reuse_freed_memory", "trainer.deterministic",
-    "trainer.backend", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
-)  # fmt: skip
+    "storage.",
+    "ray.",
+    "pipeline.",
+    "tracking.",
+    "registry.",
+    "trainer.total_training_steps",
+    "trainer.num_threads",
+    "trainer.reuse_freed_memory",
+    "trainer.deterministic",
+    "trainer.backend",
+    "trainer.save_freq",
+    "trainer.max_ckpt_to_keep",
+    "trainer.test_freq",
+)
 
 # What every stage of every step reads: the prompts and their order, the model, the seed.
 RUN_IDENTITY = ("data.", "model.", "trainer.seed", "actor.lora.", "critic.model_path")
@@ -70,9 +80,12 @@ class OpenedRun:
 
 
 def open_run(
-    config: str | None, overrides: list[str], run_id: str | None,
-    resume_from: str | None = None, fork_from: str | None = None,
-) -> OpenedRun:  # fmt: skip
+    config: str | None,
+    overrides: list[str],
+    run_id: str | None,
+    resume_from: str | None = None,
+    fork_from: str | None = None,
+) -> OpenedRun:
     """The run a flow run is for. With both `config` and `resume_from` (a deployment that
     resumes itself), a run that does not exist yet is started; with `fork_from` and a
     `run_id` that is already that fork, the fork is resumed."""
@@ -116,8 +129,10 @@ def _stored_config(store: RunStore, overrides: list[str]) -> tuple[HybridConfig,
     if doc is None:
         raise FileNotFoundError(f"no run {store.run_id!r} under {store.cfg.root}")
     if doc.get("deleted"):
-        raise FileNotFoundError(f"run {store.run_id!r} was deleted (`hybridrl runs delete`); "
-                                "only the objects its forks use are kept")  # fmt: skip
+        raise FileNotFoundError(
+            f"run {store.run_id!r} was deleted (`hybridrl runs delete`); "
+            "only the objects its forks use are kept"
+        )
     cfg = config_from_dict(doc["config"], overrides)
     if missing := redacted_keys(cfg):
         raise ConfigError(
@@ -168,16 +183,19 @@ def refused_fork_changes(parent: HybridConfig, fork: HybridConfig, at: ForkPoint
                 out.append(f"{key} ({why})")
                 break
     if "rollout" in inherited and fork.greedy_baseline and not parent.greedy_baseline:
-        out.append(f"algorithm.adv_estimator={fork.algorithm.adv_estimator} (it needs greedy "
-                   f"baselines, which step {at.step}'s inherited rollout did not generate)")  # fmt: skip
+        out.append(
+            f"algorithm.adv_estimator={fork.algorithm.adv_estimator} (it needs greedy "
+            f"baselines, which step {at.step}'s inherited rollout did not generate)"
+        )
     if fork.use_critic and not parent.use_critic:
-        out.append(f"algorithm.adv_estimator={fork.algorithm.adv_estimator} (it needs a critic, "
-                   "which the parent did not train up to the fork point)")  # fmt: skip
+        out.append(
+            f"algorithm.adv_estimator={fork.algorithm.adv_estimator} (it needs a critic, "
+            "which the parent did not train up to the fork point)"
+        )
     return out
 
 
-def open_fork(parent_id: str, at: ForkPoint, overrides: list[str],
-              run_id: str | None) -> OpenedRun:  # fmt: skip
+def open_fork(parent_id: str, at: ForkPoint, overrides: list[str], run_id: str | None) -> OpenedRun:
     """A new fork of `parent_id` at `at`: the parent's config with `overrides`, checked
     (`refused_fork_changes`), and the lineage record its run.json will hold."""
     parent = RunStore(_where(overrides).storage, parent_id)
@@ -185,13 +203,18 @@ def open_fork(parent_id: str, at: ForkPoint, overrides: list[str],
     if refused := refused_fork_changes(stored, cfg, at):
         raise ConfigError(f"a fork at {at} cannot change " + "; ".join(refused))
     if cfg.storage.root != parent.cfg.root:
-        raise ConfigError(f"storage.root: a fork lives beside its parent ({parent.cfg.root}); "
-                          "it references the parent's objects, it does not copy them")  # fmt: skip
+        raise ConfigError(
+            f"storage.root: a fork lives beside its parent ({parent.cfg.root}); "
+            "it references the parent's objects, it does not copy them"
+        )
     cfg.trainer.run_id = validate_run_id(run_id or f"{parent_id}-fork-{at.step}-{at.stage}")
     store = RunStore(cfg.storage, cfg.trainer.run_id)
     refuse_existing(store)
-    changed = {k: v for k, v in flatten(cfg).items()
-               if flatten(stored).get(k) != v and k != "trainer.run_id"}  # fmt: skip
+    changed = {
+        k: v
+        for k, v in flatten(cfg).items()
+        if flatten(stored).get(k) != v and k != "trainer.run_id"
+    }
     lineage = fork_manifest(parent, at) | {"overrides": {k: str(v) for k, v in changed.items()}}
     start = start_version(at, cfg.trainer.max_staleness)
     update_keys = [k for k in changed if k.startswith(UPDATE_READS)]
@@ -213,8 +236,11 @@ def parent_config(store: RunStore, cfg: HybridConfig) -> HybridConfig:
     ... where they differ): what the fork's start checkpoint is made with."""
     stored = store.lineage.parent.read_run()["config"]
     a = flatten(config_from_dict(stored))
-    where = [f"{k}={json.dumps(v)}" for k, v in flatten(cfg).items()
-             if a.get(k) != v and k.startswith(RESUME_MAY_CHANGE)]  # fmt: skip
+    where = [
+        f"{k}={json.dumps(v)}"
+        for k, v in flatten(cfg).items()
+        if a.get(k) != v and k.startswith(RESUME_MAY_CHANGE)
+    ]
     return config_from_dict(stored, where)
 
 

@@ -33,8 +33,15 @@ def probe_reward(cfg: HybridConfig, data: PromptData) -> None:
     rows = data.train[:4]
     prompts = [r["prompt"][-1]["content"] for r in rows]
     completions = [f"The answer is {r['reward_model']['ground_truth']}." for r in rows]
-    scored = [{"data_source": r["data_source"], "ground_truth": r["reward_model"]["ground_truth"],
-               "extra_info": r["extra_info"], "prompt": r["prompt"]} for r in rows]  # fmt: skip
+    scored = [
+        {
+            "data_source": r["data_source"],
+            "ground_truth": r["reward_model"]["ground_truth"],
+            "extra_info": r["extra_info"],
+            "prompt": r["prompt"],
+        }
+        for r in rows
+    ]
     scorer = RewardScorer(cfg.reward.function, cfg.reward.answer_format, cfg.data.task_config)
     try:
         scorer.score(prompts, completions, scored)

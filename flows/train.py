@@ -123,13 +123,19 @@ def train(
             raise
         if cancelling():  # the SIGTERM was Prefect carrying out a cancellation
             return Cancelled(message=f"cancelled at {e}; `hybridrl resume {store.run_id}`")
-        line = (f"preempted ({e}): every committed stage is kept, nothing is half-written; "
-                f"continue with `hybridrl resume {store.run_id}`")  # fmt: skip
+        line = (
+            f"preempted ({e}): every committed stage is kept, nothing is half-written; "
+            f"continue with `hybridrl resume {store.run_id}`"
+        )
         logger.warning(line)
         return Cancelled(name="Preempted", message=line)
     pool = cfg.ray.pool_name if engine.pool is not None else None
-    return result | {"run_id": store.run_id, "pool": pool, "recoveries": recovery.count,
-                     "mlflow_run_id": track.run_id}  # fmt: skip
+    return result | {
+        "run_id": store.run_id,
+        "pool": pool,
+        "recoveries": recovery.count,
+        "mlflow_run_id": track.run_id,
+    }
 
 
 def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]:
@@ -140,9 +146,15 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
     start, how = restore(engine, store)
     CLOCK.seed(store, start)  # a resumed run's stage time limits, from its stored stages
     if start > t.total_training_steps:
-        logger.info("run %s in %s: %d steps done (%s), trainer.total_training_steps is %d: "
-                    "nothing to train; a larger trainer.total_training_steps continues it",
-                    store.run_id, store.url, start - 1, how, t.total_training_steps)  # fmt: skip
+        logger.info(
+            "run %s in %s: %d steps done (%s), trainer.total_training_steps is %d: "
+            "nothing to train; a larger trainer.total_training_steps continues it",
+            store.run_id,
+            store.url,
+            start - 1,
+            how,
+            t.total_training_steps,
+        )
     else:
         logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
     emit("run_started", run_id=store.run_id, start=start, total=t.total_training_steps)
@@ -178,12 +190,14 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
             track.step(step, metrics, [rolled, scored, advantaged, done])
             if checkpoint_due(store, step, t):  # once the rollouts that
                 older = ahead.results(step + 1, step + ahead.k)  # use older weights are in
-                saved = checkpoint_(engine, store, step, t.max_ckpt_to_keep,
-                                    wait_for=[done, *older])  # fmt: skip
+                saved = checkpoint_(
+                    engine, store, step, t.max_ckpt_to_keep, wait_for=[done, *older]
+                )
                 track.tags({"hybridrl.checkpoint": saved.uri})
                 if not saved.skipped:
-                    announce("hybridrl.checkpoint.committed", store.run_id, step=step,
-                             uri=saved.uri)  # fmt: skip
+                    announce(
+                        "hybridrl.checkpoint.committed", store.run_id, step=step, uri=saved.uri
+                    )
             fault_point(f"step-{step}:end")
             line = step_line(step, metrics, [rolled, scored, advantaged, done])
             logger.info(line)
@@ -193,15 +207,26 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
     try:  # the final policy as a model version; the run is done whatever happens here
         registered = register_final(engine.cfg, store)
     except Exception as e:
-        logger.warning("the final policy was not registered (%s: %s); `hybridrl register %s` "
-                       "does it later", type(e).__name__, e, store.run_id)  # fmt: skip
+        logger.warning(
+            "the final policy was not registered (%s: %s); `hybridrl register %s` does it later",
+            type(e).__name__,
+            e,
+            store.run_id,
+        )
         registered = None
     if registered:
         track.tags({"hybridrl.model_version": registered["model"]})
         logger.info("final policy registered as %s", registered["model"])
-    announce("hybridrl.run.finished", store.run_id, {"hybridrl.registered": str(bool(registered)).lower()},
-             run_id=store.run_id, storage_root=store.cfg.root, final=result["uri"],
-             tracking_uri=track.tracker.uri if track.tracker else None, **(registered or {}))  # fmt: skip
+    announce(
+        "hybridrl.run.finished",
+        store.run_id,
+        {"hybridrl.registered": str(bool(registered)).lower()},
+        run_id=store.run_id,
+        storage_root=store.cfg.root,
+        final=result["uri"],
+        tracking_uri=track.tracker.uri if track.tracker else None,
+        **(registered or {}),
+    )
     return result | {"step_wall_s": step_wall_s, "registered": registered}
 
 
@@ -228,8 +253,9 @@ class RolloutsAhead:
             if rollout_version(m, self.k) == version:
                 self.publish_for(m)
             before = self.futures.get(m - 1)
-            self.futures[m] = self.task.submit(self.engine, self.store, m,
-                                               wait_for=[before] if before else None)  # fmt: skip
+            self.futures[m] = self.task.submit(
+                self.engine, self.store, m, wait_for=[before] if before else None
+            )
             self.next += 1
 
     def publish_for(self, step: int) -> None:
@@ -267,17 +293,30 @@ def checkpoint_due(store: RunStore, step: int, t: Any) -> bool:
 
 def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | None = None) -> None:
     """run.json of a new run (a fork's with its lineage)."""
-    store.write_run({"run_id": store.run_id, "config": redact(cfg.model_dump(mode="json")),
-                     "code_version": code_version(), "created_at": time.time(),
-                     "driver": driver_record()} | ({"lineage": lineage} if lineage else {}))  # fmt: skip
+    store.write_run(
+        {
+            "run_id": store.run_id,
+            "config": redact(cfg.model_dump(mode="json")),
+            "code_version": code_version(),
+            "created_at": time.time(),
+            "driver": driver_record(),
+        }
+        | ({"lineage": lineage} if lineage else {})
+    )
 
 
 def log_fork(store: RunStore, lineage: dict[str, Any]) -> None:
     """What a new fork takes from its parent and what it changes."""
     changes = ", ".join(f"{k}={v}" for k, v in lineage["overrides"].items()) or "no overrides"
-    get_run_logger().info("run %s: a fork of %s at %s, referencing %d steps and %d checkpoints "
-                          "of it (%s)", store.run_id, lineage["parent"], lineage["at"],
-                          len(lineage["steps"]), len(lineage["checkpoints"]), changes)  # fmt: skip
+    get_run_logger().info(
+        "run %s: a fork of %s at %s, referencing %d steps and %d checkpoints of it (%s)",
+        store.run_id,
+        lineage["parent"],
+        lineage["at"],
+        len(lineage["steps"]),
+        len(lineage["checkpoints"]),
+        changes,
+    )
 
 
 def materialize_start(store: RunStore, cfg: HybridConfig) -> None:
@@ -293,9 +332,15 @@ def materialize_start(store: RunStore, cfg: HybridConfig) -> None:
 
     began = time.perf_counter()
     materialize(Engine(parent_config(store, cfg)), store, version)
-    get_run_logger().info("run %s: weights version %d of %s made with its config and saved as "
-                          "the fork's checkpoint step_%d (%.1f s)", store.run_id, version,
-                          store.lineage.parent.run_id, version, time.perf_counter() - began)  # fmt: skip
+    get_run_logger().info(
+        "run %s: weights version %d of %s made with its config and saved as "
+        "the fork's checkpoint step_%d (%.1f s)",
+        store.run_id,
+        version,
+        store.lineage.parent.run_id,
+        version,
+        time.perf_counter() - began,
+    )
 
 
 def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
@@ -304,8 +349,9 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     try:
         engine = Engine(cfg, reset_pool=not resume)
     except WorkerLostError as e:
-        get_run_logger().warning("pool %r is broken (%s): removing it and starting a new one",
-                                 cfg.ray.pool_name, e)  # fmt: skip
+        get_run_logger().warning(
+            "pool %r is broken (%s): removing it and starting a new one", cfg.ray.pool_name, e
+        )
         from hybrid_engine.pool.pool import down
 
         down(cfg.ray.pool_name, stop_head=False)
@@ -384,8 +430,10 @@ class StepLog:
         self.tracker.log_step(step, metrics)
         if "async/weights_version" in metrics:  # the samples' curves by the weights that made
             version = int(metrics["async/weights_version"])  # them: no shift under asynchrony
-            self.tracker.log_step(version, {f"by_version/{k}": v for k, v in metrics.items()
-                                            if k.startswith(SAMPLE_METRICS)})  # fmt: skip
+            self.tracker.log_step(
+                version,
+                {f"by_version/{k}": v for k, v in metrics.items() if k.startswith(SAMPLE_METRICS)},
+            )
         self.logged.add(step)
 
     def tags(self, tags: dict[str, str]) -> None:
@@ -395,9 +443,12 @@ class StepLog:
     def recovered(self, event: dict[str, Any], count: int) -> None:
         """A recovery: tag `hybridrl.recoveries` and metric `recoveries` at its step."""
         if self.tracker is not None:
-            self.tracker.set_tags({"hybridrl.recoveries": str(count),
-                                   "hybridrl.last_recovery": f"{event['where']}: {event['worker']} "
-                                   f"{event['how']}"})  # fmt: skip
+            self.tracker.set_tags(
+                {
+                    "hybridrl.recoveries": str(count),
+                    "hybridrl.last_recovery": f"{event['where']}: {event['worker']} {event['how']}",
+                }
+            )
             self.tracker.log_metric("recoveries", count, event["step"])
 
     def __enter__(self) -> StepLog:
@@ -421,8 +472,13 @@ def task_options(cfg: HybridConfig) -> dict[str, Any]:
     }
 
 
-NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-                 FileExistsError)  # fmt: skip
+NOT_TRANSIENT = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    FileExistsError,
+)
 
 
 STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
@@ -451,9 +507,12 @@ def code_version() -> str:
     v = package_version("hybridrl")
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).parent,
-        ).stdout.strip()  # fmt: skip
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         sha = ""
     return f"{v}+{sha}" if sha else v

@@ -31,9 +31,13 @@ def _json_safe(x: Any) -> Any:
 
 
 def reasoning_gym_rows(
-    task: str, size: int, seed: int, task_config: dict[str, Any], system_prompt: str | None,
+    task: str,
+    size: int,
+    seed: int,
+    task_config: dict[str, Any],
+    system_prompt: str | None,
     suffix: str,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     import reasoning_gym
 
     try:

@@ -193,18 +193,26 @@ class Engine:
             return self.rollout(step, on_turn=on_turn)
         first = self.next_gen_batch if first_gen_batch is None else first_gen_batch
         batch = dynamic_rollout(
-            lambda g: self.reward(self.rollout(step, g, on_turn)), first,
-            self.cfg.data.train_batch_size, fg.metric, fg.max_num_gen_batches,
-            fg.on_exhausted, self.tokenizer.pad_token_id, load, save,
-        )  # fmt: skip
+            lambda g: self.reward(self.rollout(step, g, on_turn)),
+            first,
+            self.cfg.data.train_batch_size,
+            fg.metric,
+            fg.max_num_gen_batches,
+            fg.on_exhausted,
+            self.tokenizer.pad_token_id,
+            load,
+            save,
+        )
         self.next_gen_batch = batch.meta["next_gen_batch"]
         batch.meta["step"] = step
         return batch
 
     def rollout(
-        self, step: int, gen_batch: int | None = None,
+        self,
+        step: int,
+        gen_batch: int | None = None,
         on_turn: Callable[[int], None] | None = None,
-    ) -> Batch:  # fmt: skip
+    ) -> Batch:
         """Step N's prompts, `rollout.n` samples each (multi-turn: trajectories, `on_turn(k)`
         called after turn k). Generation batch g (dynamic sampling) takes the prompts and
         seed step g takes without it; default g = N."""
@@ -225,8 +233,9 @@ class Engine:
             log_probs=self.cfg.algorithm.rollout_correction.enabled,
         )
         with timer(metrics, "gen"):
-            batch = self._generate(prompts.repeat_interleave(r.n), sampling, on_turn,
-                                   self.generator)  # fmt: skip
+            batch = self._generate(
+                prompts.repeat_interleave(r.n), sampling, on_turn, self.generator
+            )
         batch["weights_version"] = torch.full((len(batch),), version, dtype=torch.long)
         metrics["timing_s/reshard"] = batch.meta.get("reshard_s", 0.0)
         if "turns" in batch:
@@ -243,9 +252,12 @@ class Engine:
         return batch
 
     def _generate(
-        self, prompts: Batch, sampling: SamplingParams,
-        on_turn: Callable[[int], None] | None = None, role: Any = None,
-    ) -> Batch:  # fmt: skip
+        self,
+        prompts: Batch,
+        sampling: SamplingParams,
+        on_turn: Callable[[int], None] | None = None,
+        role: Any = None,
+    ) -> Batch:
         """One sample per prompt row: a response, or with multi-turn a trajectory; generated
         by `role` (default: the trainer's own weights, as validation needs)."""
         mt = self.cfg.rollout.multi_turn
@@ -254,9 +266,16 @@ class Engine:
             return generate(prompts, sampling)
         envs = [make_environment(mt.environment, mt.env_kwargs) for _ in range(len(prompts))]
         return multi_turn_rollout(
-            generate, self.tokenizer, prompts, envs, sampling, mt.max_turns,
-            mt.max_total_tokens, self.cfg.data.max_prompt_length, on_turn,
-        )  # fmt: skip
+            generate,
+            self.tokenizer,
+            prompts,
+            envs,
+            sampling,
+            mt.max_turns,
+            mt.max_total_tokens,
+            self.cfg.data.max_prompt_length,
+            on_turn,
+        )
 
     # --------------------------------------------------------------- 2. reward
     def reward(self, batch: Batch) -> Batch:
@@ -299,13 +318,16 @@ class Engine:
     def _overlong(self, response_mask: torch.Tensor) -> torch.Tensor:
         rc = self.cfg.reward
         return overlong_penalty(
-            response_mask.sum(-1), self.cfg.rollout.max_new_tokens,
-            rc.overlong_buffer_len, rc.overlong_penalty_factor,
-        )  # fmt: skip
+            response_mask.sum(-1),
+            self.cfg.rollout.max_new_tokens,
+            rc.overlong_buffer_len,
+            rc.overlong_penalty_factor,
+        )
 
     def _score(self, batch: Batch, ids_key: str, mask_key: str) -> list[float]:
-        return score_responses(batch, ids_key, mask_key, self.tokenizer, self.scorer,
-                               self.reward_model)  # fmt: skip
+        return score_responses(
+            batch, ids_key, mask_key, self.tokenizer, self.scorer, self.reward_model
+        )
 
     # ------------------------------------------------------------ 3. advantage
     def advantage(self, batch: Batch) -> Batch:
@@ -321,15 +343,23 @@ class Engine:
             with timer(metrics, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
         if self.feed is not None and "weights_version" in batch:  # asynchronous: how stale
-            metrics |= staleness_metrics(batch["weights_version"], self.actor.weights_version,
-                                         cfg.trainer.max_staleness, batch.meta.get("step"))  # fmt: skip
+            metrics |= staleness_metrics(
+                batch["weights_version"],
+                self.actor.weights_version,
+                cfg.trainer.max_staleness,
+                batch.meta.get("step"),
+            )
         with timer(metrics, "adv"):
             mask = batch["response_mask"]
             if alg.use_kl_in_reward:
                 rewards, kl = apply_kl_penalty(
-                    batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-                    mask, self.kl_ctrl.value, alg.kl_penalty,
-                )  # fmt: skip
+                    batch["token_level_scores"],
+                    batch["old_log_probs"],
+                    batch["ref_log_prob"],
+                    mask,
+                    self.kl_ctrl.value,
+                    alg.kl_penalty,
+                )
                 metrics["actor/reward_kl_penalty"] = float(kl)
                 metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
                 self.kl_ctrl.update(float(kl), cfg.data.train_batch_size)
@@ -366,10 +396,15 @@ class Engine:
                 "(rollout_log_probs), which this rollout did not record"
             )
         weights, mask, m = rollout_correction(
-            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-            rc.level, rc.threshold, rc.batch_normalize, rc.rejection_modes,
+            batch["old_log_probs"],
+            batch["rollout_log_probs"],
+            batch["response_mask"],
+            rc.level,
+            rc.threshold,
+            rc.batch_normalize,
+            rc.rejection_modes,
             rc.rejection_thresholds,
-        )  # fmt: skip
+        )
         if weights is not None:
             batch["rollout_is_weights"] = weights
         batch["response_mask"] = mask
@@ -395,9 +430,12 @@ class Engine:
                 if "rss_gb" not in w:  # it died since its part of the update returned
                     from hybrid_engine.pool.group import WorkerDiedError
 
-                    raise WorkerDiedError(f"update: worker {w['name']} of pool "
-                                          f"{self.cfg.ray.pool_name!r} died ({w.get('error')})",
-                                          w["name"], "died")  # fmt: skip
+                    raise WorkerDiedError(
+                        f"update: worker {w['name']} of pool "
+                        f"{self.cfg.ray.pool_name!r} died ({w.get('error')})",
+                        w["name"],
+                        "died",
+                    )
                 metrics[f"perf/{w['name']}/rss_gb"] = w["rss_gb"]
                 metrics[f"perf/{w['name']}/peak_rss_gb"] = w["peak_rss_gb"]
         metrics |= batch_stats(batch, self.cfg.max_response_length)
@@ -439,9 +477,12 @@ class Engine:
             return {}
         v, r = self.cfg.rollout.val, self.cfg.rollout
         sampling = SamplingParams(
-            v.max_new_tokens or r.max_new_tokens, v.temperature, r.top_p, r.top_k,
+            v.max_new_tokens or r.max_new_tokens,
+            v.temperature,
+            r.top_p,
+            r.top_k,
             step_seed(self.cfg.trainer.seed, -1),
-        )  # fmt: skip
+        )
         start = time.perf_counter()
         prompts = prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length)
         prompts["uid"] = [f"val-{i}" for i in range(len(prompts))]
@@ -463,11 +504,15 @@ class Engine:
         if samples:
             ids, mask = batch["response_ids"], batch["response_mask"]
             out["_samples"] = [
-                {"prompt": row["prompt"][-1]["content"], "score": score,
-                 "response": conversation_text(batch["messages"][i]) if "messages" in batch
-                 else self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True)}
+                {
+                    "prompt": row["prompt"][-1]["content"],
+                    "score": score,
+                    "response": conversation_text(batch["messages"][i])
+                    if "messages" in batch
+                    else self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True),
+                }
                 for i, (row, score) in enumerate(zip(rows[:samples], scores, strict=False))
-            ]  # fmt: skip
+            ]
         return out
 
 

@@ -46,11 +46,13 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     scores = engine.scorer.score([""] * len(rows), texts, rows)
     lengths = greedy["response_mask"].sum(-1).float()
     seed = step_seed(cfg.trainer.seed, EVAL_SEED_STEP)
-    sampled = engine.actor.generate(prompts.repeat_interleave(k),
-                                    SamplingParams(limit, r.temperature, r.top_p, r.top_k, seed))  # fmt: skip
+    sampled = engine.actor.generate(
+        prompts.repeat_interleave(k), SamplingParams(limit, r.temperature, r.top_p, r.top_k, seed)
+    )
     s_texts = _texts(engine, sampled)
-    s_scores = engine.scorer.score([""] * len(s_texts), s_texts,
-                                   [row for row in rows for _ in range(k)])  # fmt: skip
+    s_scores = engine.scorer.score(
+        [""] * len(s_texts), s_texts, [row for row in rows for _ in range(k)]
+    )
     fmt = cfg.reward.answer_format
     pass_k = maj_k = 0.0
     for i in range(len(rows)):
@@ -76,5 +78,7 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
 
 def _texts(engine: Any, batch: Any) -> list[str]:
     ids, mask = batch["response_ids"], batch["response_mask"]
-    return [engine.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True)
-            for i in range(len(ids))]  # fmt: skip
+    return [
+        engine.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True)
+        for i in range(len(ids))
+    ]

@@ -119,8 +119,11 @@ class RewardScorer:
             # Find the sample that breaks it, so the message can name it.
             for i in range(len(prompts)):
                 try:
-                    self.fn(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
-                            rows=rows[i : i + 1])  # fmt: skip
+                    self.fn(
+                        prompts=prompts[i : i + 1],
+                        completions=completions[i : i + 1],
+                        rows=rows[i : i + 1],
+                    )
                 except Exception as e:
                     raise RewardError(
                         f"reward function failed on sample {i} (completion "
@@ -168,33 +171,45 @@ def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def score_responses(
-    batch: Batch, ids_key: str, mask_key: str, tokenizer: Any, scorer: RewardScorer,
+    batch: Batch,
+    ids_key: str,
+    mask_key: str,
+    tokenizer: Any,
+    scorer: RewardScorer,
     reward_model: Any = None,
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     """One score per sample of `batch` (responses under `ids_key` / `mask_key`): the reward
     model's, if there is one (a role with `score`), else the scorer's on the decoded text (a
     multi-turn trajectory's final answer)."""
     ids, mask = batch[ids_key], batch[mask_key]
     if reward_model is not None:
         scored = reward_model.score(
-            Batch({
-                "input_ids": torch.cat([batch["prompt_ids"], ids], 1),
-                "attention_mask": torch.cat([batch["prompt_mask"], mask], 1),
-                "response_mask": mask,
-            })
-        )  # fmt: skip
+            Batch(
+                {
+                    "input_ids": torch.cat([batch["prompt_ids"], ids], 1),
+                    "attention_mask": torch.cat([batch["prompt_mask"], mask], 1),
+                    "response_mask": mask,
+                }
+            )
+        )
         return scored["rm_scores"].tolist()
     completions = (
-        list(batch["final_response"]) if "final_response" in batch  # multi-turn
-        else [tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-              for row, m in zip(ids, mask, strict=True)]
-    )  # fmt: skip
+        list(batch["final_response"])
+        if "final_response" in batch  # multi-turn
+        else [
+            tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+            for row, m in zip(ids, mask, strict=True)
+        ]
+    )
     prompts = [tokenizer.apply_chat_template(p, tokenize=False) for p in batch["prompt"]]
     rows = [
         {"data_source": d, "ground_truth": g, "extra_info": e, "prompt": p}
         for d, g, e, p in zip(
-            batch["data_source"], batch["ground_truth"], batch["extra_info"], batch["prompt"],
+            batch["data_source"],
+            batch["ground_truth"],
+            batch["extra_info"],
+            batch["prompt"],
             strict=True,
         )
-    ]  # fmt: skip
+    ]
     return scorer.score(prompts, completions, rows)

@@ -33,8 +33,9 @@ class StaleSamples(ValueError):
     """Samples older than trainer.max_staleness versions reached the trainer."""
 
 
-def staleness_metrics(versions: torch.Tensor, trainer_version: int, max_staleness: int,
-                      step: int) -> dict[str, float]:  # fmt: skip
+def staleness_metrics(
+    versions: torch.Tensor, trainer_version: int, max_staleness: int, step: int
+) -> dict[str, float]:
     """`async/staleness/*` of a batch about to train: trainer version - sample version, per
     sample. More than `max_staleness` is refused (the schedule guarantees it never is)."""
     stale = (trainer_version - versions).float()
@@ -44,8 +45,11 @@ def staleness_metrics(versions: torch.Tensor, trainer_version: int, max_stalenes
             f"trainer at version {trainer_version}: staleness outside 0..trainer.max_staleness="
             f"{max_staleness}"
         )
-    return {"async/staleness/mean": float(stale.mean()), "async/staleness/max": float(stale.max()),
-            "async/weights_version": float(versions.float().mean())}  # fmt: skip
+    return {
+        "async/staleness/mean": float(stale.mean()),
+        "async/staleness/max": float(stale.max()),
+        "async/weights_version": float(versions.float().mean()),
+    }
 
 
 class WeightsFeed:

@@ -34,8 +34,10 @@ def history(store: RunStore, total_steps: int) -> list[dict[str, Any]]:
             if got is not None:
                 row |= got.meta["metrics"]
             elif stage == "update" and store.marker(store.stage_dir(step, stage)) is not None:
-                row["lost"] = (f"steps/{step}/update is corrupted: the weights it made are kept "
-                               "(later checkpoints hold them), its metrics are lost")  # fmt: skip
+                row["lost"] = (
+                    f"steps/{step}/update is corrupted: the weights it made are kept "
+                    "(later checkpoints hold them), its metrics are lost"
+                )
                 log.warning("step %d: %s", step, row["lost"])
         if row:
             rows.append({"step": step, **row})

@@ -137,8 +137,13 @@ class Lineage:
                 self._checked[key] = step_digest(self.parent, int(step), self.at) == want
             ok, what = self._checked[key], f"step {step}"
         if not ok and want is not None:
-            log.warning("%s of %s is not what fork point %s recorded (changed or deleted): "
-                        "the fork counts it as not done", what, self.parent.run_id, self.at)  # fmt: skip
+            log.warning(
+                "%s of %s is not what fork point %s recorded (changed or deleted): "
+                "the fork counts it as not done",
+                what,
+                self.parent.run_id,
+                self.at,
+            )
         return ok
 
     def same_weights(self, run_id: str | None, version: int) -> bool:
@@ -175,5 +180,10 @@ def fork_manifest(parent: RunStore, at: ForkPoint) -> dict[str, Any]:
     for c in parent.checkpoints():
         if c < at.step and (m := parent.marker(parent.checkpoint_dir(c))) is not None:
             checkpoints[str(c)] = digest(m["files"])
-    return {"parent": parent.run_id, "at": str(at), "steps": steps, "checkpoints": checkpoints,
-            "parent_mlflow_run_id": doc.get("mlflow_run_id")}  # fmt: skip
+    return {
+        "parent": parent.run_id,
+        "at": str(at),
+        "steps": steps,
+        "checkpoints": checkpoints,
+        "parent_mlflow_run_id": doc.get("mlflow_run_id"),
+    }

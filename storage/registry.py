@@ -31,8 +31,14 @@ log = logging.getLogger("hybridrl.registry")
 CHAMPION = "champion"
 
 
-def register(cfg: HybridConfig, store: RunStore, policy_dir: str, step: int, source: str,
-             metrics: dict[str, Any]) -> Any:  # fmt: skip
+def register(
+    cfg: HybridConfig,
+    store: RunStore,
+    policy_dir: str,
+    step: int,
+    source: str,
+    metrics: dict[str, Any],
+) -> Any:
     """Log `policy_dir` (model + tokenizer) to the run's MLflow run and register it; returns
     the ModelVersion."""
     import mlflow
@@ -52,21 +58,33 @@ def register(cfg: HybridConfig, store: RunStore, policy_dir: str, step: int, sou
 
     # the components, not the directory: MLflow 3.17's local-checkpoint path fails with
     # transformers 5 (it reads a pipeline class name that is now a string)
-    components = {"model": AutoModelForCausalLM.from_pretrained(policy_dir),
-                  "tokenizer": AutoTokenizer.from_pretrained(policy_dir)}  # fmt: skip
+    components = {
+        "model": AutoModelForCausalLM.from_pretrained(policy_dir),
+        "tokenizer": AutoTokenizer.from_pretrained(policy_dir),
+    }
     with mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
-            transformers_model=components, name=f"policy-{source.replace('/', '-')}",
-            task="text-generation", registered_model_name=name, pip_requirements=requirements,
-        )  # fmt: skip
+            transformers_model=components,
+            name=f"policy-{source.replace('/', '-')}",
+            task="text-generation",
+            registered_model_name=name,
+            pip_requirements=requirements,
+        )
     client = client_for(uri)
     version = info.registered_model_version
-    tags = {"hybridrl.run_id": store.run_id, "hybridrl.step": str(step),
-            "hybridrl.storage_uri": store.url, "hybridrl.source": source}  # fmt: skip
+    tags = {
+        "hybridrl.run_id": store.run_id,
+        "hybridrl.step": str(step),
+        "hybridrl.storage_uri": store.url,
+        "hybridrl.source": source,
+    }
     if lineage := doc.get("lineage"):
         tags |= {"hybridrl.parent": lineage["parent"], "hybridrl.fork_at": lineage["at"]}
-    tags |= {f"{k.replace('/', '.')}": f"{v:.6g}" for k, v in metrics.items()
-             if k.startswith("val/") and isinstance(v, int | float)}  # fmt: skip
+    tags |= {
+        f"{k.replace('/', '.')}": f"{v:.6g}"
+        for k, v in metrics.items()
+        if k.startswith("val/") and isinstance(v, int | float)
+    }
     for key, value in tags.items():
         client.set_model_version_tag(name, str(version), key, value)
     return client.get_model_version(name, str(version))
@@ -98,26 +116,35 @@ def sanity(metrics: dict[str, float], best: dict[str, float] | None, c: Any) -> 
     the share cut at the token limit)."""
     problems = []
     if metrics["eval/format_rate"] < c.min_format_rate:
-        problems.append(f"format kept in {metrics['eval/format_rate']:.2f} of responses "
-                        f"< registry.min_format_rate={c.min_format_rate}")  # fmt: skip
+        problems.append(
+            f"format kept in {metrics['eval/format_rate']:.2f} of responses "
+            f"< registry.min_format_rate={c.min_format_rate}"
+        )
     length = metrics["eval/response_length/mean"]
     if length < 1.0:
         problems.append("responses collapsed to nothing (mean length < 1 token)")
     if metrics["eval/clip_ratio"] > c.max_clip_ratio:
-        problems.append(f"{metrics['eval/clip_ratio']:.2f} of responses cut at the token limit "
-                        f"> registry.max_clip_ratio={c.max_clip_ratio}")  # fmt: skip
+        problems.append(
+            f"{metrics['eval/clip_ratio']:.2f} of responses cut at the token limit "
+            f"> registry.max_clip_ratio={c.max_clip_ratio}"
+        )
     if best and (ref := best.get("eval/response_length/mean")):
         ratio = length / ref
         if not c.min_length_ratio <= ratio <= c.max_length_ratio:
-            problems.append(f"mean length {length:.1f} is {ratio:.2f}x the champion's {ref:.1f} "
-                            f"(allowed {c.min_length_ratio}-{c.max_length_ratio}x)")  # fmt: skip
+            problems.append(
+                f"mean length {length:.1f} is {ratio:.2f}x the champion's {ref:.1f} "
+                f"(allowed {c.min_length_ratio}-{c.max_length_ratio}x)"
+            )
     return problems
 
 
 def version_metrics(version: Any) -> dict[str, float]:
     """The `eval.*` tags of a version back as `eval/*` metrics."""
-    return {k.replace("eval.", "eval/", 1): float(v) for k, v in version.tags.items()
-            if k.startswith("eval.")}  # fmt: skip
+    return {
+        k.replace("eval.", "eval/", 1): float(v)
+        for k, v in version.tags.items()
+        if k.startswith("eval.")
+    }
 
 
 def gate(
@@ -139,8 +166,10 @@ def gate(
     if best_metrics is not None and "eval/accuracy" in best_metrics:
         need = best_metrics["eval/accuracy"] + c.promotion_margin
         if acc < need:
-            problems.append(f"accuracy {acc:.3f} < champion v{best.version}'s "
-                            f"{best_metrics['eval/accuracy']:.3f} + margin {c.promotion_margin}")  # fmt: skip
+            problems.append(
+                f"accuracy {acc:.3f} < champion v{best.version}'s "
+                f"{best_metrics['eval/accuracy']:.3f} + margin {c.promotion_margin}"
+            )
     if problems:
         why = "not promoted: " + "; ".join(problems)
         client.set_model_version_tag(name, version, "hybridrl.promotion", why)

@@ -28,8 +28,9 @@ def runs_under(cfg: Any) -> dict[str, dict[str, Any]]:
 def forks_of(runs: dict[str, dict[str, Any]], run_id: str) -> dict[str, dict[str, Any]]:
     """The runs whose parent is `run_id` (deleted ones too while they hold objects): their
     lineage records."""
-    return {r: d["lineage"] for r, d in runs.items()
-            if (d.get("lineage") or {}).get("parent") == run_id}  # fmt: skip
+    return {
+        r: d["lineage"] for r, d in runs.items() if (d.get("lineage") or {}).get("parent") == run_id
+    }
 
 
 def used_by_forks(store: RunStore, forks: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
@@ -122,12 +123,16 @@ def delete_run(cfg: Any, run_id: str) -> dict[str, Any]:
     store = RunStore(cfg, run_id)
     doc = store.read_run()
     if doc is None or doc.get("deleted"):
-        raise FileNotFoundError(f"no run {run_id!r} under {cfg.root}"
-                                + (" (deleted already)" if doc else ""))  # fmt: skip
+        raise FileNotFoundError(
+            f"no run {run_id!r} under {cfg.root}" + (" (deleted already)" if doc else "")
+        )
     runs = runs_under(cfg)
     used = used_by_forks(store, forks_of(runs, run_id))
-    out: dict[str, Any] = {"kept": used, "removed_bytes": _prune(store, doc, used),
-                           "also_removed": []}  # fmt: skip
+    out: dict[str, Any] = {
+        "kept": used,
+        "removed_bytes": _prune(store, doc, used),
+        "also_removed": [],
+    }
     out["kept_bytes"] = _size(store, "") if used else 0
     if used:
         return out

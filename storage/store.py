@@ -293,14 +293,17 @@ class RunStore:
             try:
                 data = self.get(f"{rel_dir}/{name}")
             except FileNotFoundError:
-                log.warning("%s: committed but missing; the stage counts as not done", self.uri(
-                    f"{rel_dir}/{name}"))  # fmt: skip
+                log.warning(
+                    "%s: committed but missing; the stage counts as not done",
+                    self.uri(f"{rel_dir}/{name}"),
+                )
                 return None
             if sha256(data) != want:
                 log.warning(
                     "%s: sha256 differs from the committed one (corrupted object); "
-                    "the stage counts as not done", self.uri(f"{rel_dir}/{name}"),
-                )  # fmt: skip
+                    "the stage counts as not done",
+                    self.uri(f"{rel_dir}/{name}"),
+                )
                 return None
             out[name] = data
         return out, doc
@@ -367,8 +370,11 @@ class RunStore:
             if m and self.exists(f"checkpoints/{m.group(0)}/{MARKER}"):
                 steps.add(int(m.group(1)))
         if not own and self.lineage is not None:
-            steps |= {int(c) for c in self.lineage.checkpoints
-                      if self.lineage.source(self.checkpoint_dir(int(c))) is not None}  # fmt: skip
+            steps |= {
+                int(c)
+                for c in self.lineage.checkpoints
+                if self.lineage.source(self.checkpoint_dir(int(c))) is not None
+            }
         return sorted(steps)
 
     def checkpoint_files(self, step: int) -> tuple[dict[str, str], dict[str, Any]] | None:

@@ -90,8 +90,13 @@ class Tracker:
                 client.get_run(run_id)
                 client.update_run(run_id, status="RUNNING")
             except Exception as e:  # another tracking server, or the run was deleted
-                log.warning("MLflow run %s of %s not found at %s (%s): starting a new one",
-                            run_id, store.run_id, uri, type(e).__name__)  # fmt: skip
+                log.warning(
+                    "MLflow run %s of %s not found at %s (%s): starting a new one",
+                    run_id,
+                    store.run_id,
+                    uri,
+                    type(e).__name__,
+                )
                 run_id = None
         if run_id is None:
             run_id = cls._create(client, cfg, uri, store)
@@ -118,20 +123,29 @@ class Tracker:
             location = None
             if uri.startswith("sqlite:///"):  # artifacts beside the database, not in the cwd
                 db = uri.removeprefix("sqlite:///")
-                location = "file://" + os.path.join(os.path.dirname(os.path.abspath(db)),
-                                                    "mlartifacts")  # fmt: skip
+                location = "file://" + os.path.join(
+                    os.path.dirname(os.path.abspath(db)), "mlartifacts"
+                )
             exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=location)
         else:
             exp_id = exp.experiment_id
-        run = client.create_run(exp_id, run_name=store.run_id, tags={
-            "hybridrl.run_id": store.run_id, "hybridrl.storage_uri": store.url,
-        })  # fmt: skip
+        run = client.create_run(
+            exp_id,
+            run_name=store.run_id,
+            tags={
+                "hybridrl.run_id": store.run_id,
+                "hybridrl.storage_uri": store.url,
+            },
+        )
         run_id = run.info.run_id
         params = [Param(k, str(redact(v))[:6000]) for k, v in sorted(flatten(cfg).items())]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(run_id, params=params[i : i + 100])
-        client.log_text(run_id, yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False),
-                        "config.yaml")  # fmt: skip
+        client.log_text(
+            run_id,
+            yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False),
+            "config.yaml",
+        )
         return run_id
 
     def set_tags(self, tags: dict[str, str]) -> None:
@@ -151,9 +165,14 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        rows = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())
-                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-                and k != "step"]  # fmt: skip
+        rows = [
+            Metric(k, float(v), now, step)
+            for k, v in sorted(metrics.items())
+            if isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and k != "step"
+        ]
         for i in range(0, len(rows), 1000):
             self.client.log_batch(self.run_id, metrics=rows[i : i + 1000])
 
@@ -211,8 +230,15 @@ def timeline_figure(step: int, walls: list[tuple[str, float]], metrics: dict) ->
             if sec:
                 ax.barh(row, sec, left=sub_start, height=0.35, color="#ee5253")
                 if sec > 0.08 * max(w for _, w in walls):
-                    ax.text(sub_start + sec / 2, row, name, ha="center", va="center",
-                            fontsize=7, color="white")  # fmt: skip
+                    ax.text(
+                        sub_start + sec / 2,
+                        row,
+                        name,
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
                 sub_start += sec
         start += wall
     ax.set_yticks(range(len(walls)), [s for s, _ in walls])
@@ -271,18 +297,26 @@ def find_run(uri: str | None, run_id: str, experiment: str = "hybridrl") -> Any:
     for run in list_runs(uri, experiment):
         if run.data.tags.get("hybridrl.run_id") == run_id or run.info.run_id == run_id:
             return run
-    raise LookupError(f"no run {run_id!r} in MLflow experiment {experiment!r} at "
-                      f"{uri or tracking_uri(HybridConfig())}")  # fmt: skip
+    raise LookupError(
+        f"no run {run_id!r} in MLflow experiment {experiment!r} at "
+        f"{uri or tracking_uri(HybridConfig())}"
+    )
 
 
 def compare(a: Any, b: Any) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
     """(config keys whose values differ, final metrics of both): rows (key, a, b)."""
     pa, pb = a.data.params, b.data.params
-    params = [(k, pa.get(k, "-"), pb.get(k, "-")) for k in sorted(pa.keys() | pb.keys())
-              if pa.get(k) != pb.get(k) and k != "trainer.run_id"]  # fmt: skip
+    params = [
+        (k, pa.get(k, "-"), pb.get(k, "-"))
+        for k in sorted(pa.keys() | pb.keys())
+        if pa.get(k) != pb.get(k) and k != "trainer.run_id"
+    ]
     ma, mb = a.data.metrics, b.data.metrics
-    shown = [k for k in sorted(ma.keys() | mb.keys()) if not k.startswith(("perf/", "timing_s/"))
-             or k in ("timing_s/step", "perf/peak_rss_gb")]  # fmt: skip
+    shown = [
+        k
+        for k in sorted(ma.keys() | mb.keys())
+        if not k.startswith(("perf/", "timing_s/")) or k in ("timing_s/step", "perf/peak_rss_gb")
+    ]
     metrics = [(k, _fmt(ma.get(k)), _fmt(mb.get(k))) for k in shown]
     return params, metrics
 
@@ -292,7 +326,8 @@ def fork_point(a: Any, b: Any) -> tuple[int, str] | None:
     for fork, parent, which in ((a, b, "a"), (b, a, "b")):
         tags = fork.data.tags
         if tags.get("hybridrl.parent") == parent.data.tags.get("hybridrl.run_id") and (
-                at := tags.get("hybridrl.fork_at")):  # fmt: skip
+            at := tags.get("hybridrl.fork_at")
+        ):
             return int(at.split("/")[0]), which
     return None
 
@@ -300,8 +335,9 @@ def fork_point(a: Any, b: Any) -> tuple[int, str] | None:
 CURVE_KEYS = ("critic/score/mean", "val/accuracy")
 
 
-def curves_from(uri: str | None, a: Any, b: Any, first: int,
-                keys: tuple[str, ...] = CURVE_KEYS) -> list[tuple[str, ...]]:  # fmt: skip
+def curves_from(
+    uri: str | None, a: Any, b: Any, first: int, keys: tuple[str, ...] = CURVE_KEYS
+) -> list[tuple[str, ...]]:
     """Rows (step, a's and b's value of each key) for the steps from `first` on that either
     run logged: the two curves side by side."""
     client = client_for(uri)
@@ -311,12 +347,15 @@ def curves_from(uri: str | None, a: Any, b: Any, first: int,
             for m in client.get_metric_history(run.info.run_id, key):
                 if m.step >= first:
                     values.setdefault(m.step, {})[f"{i}:{key}"] = m.value
-    return [(str(step), *(_fmt(values[step].get(f"{i}:{k}")) for k in keys for i in (0, 1)))
-            for step in sorted(values)]  # fmt: skip
+    return [
+        (str(step), *(_fmt(values[step].get(f"{i}:{k}")) for k in keys for i in (0, 1)))
+        for step in sorted(values)
+    ]
 
 
-def ui_hint(uri: str | None, run_ids: list[str], experiment_id: str,
-            keys: tuple[str, ...] = CURVE_KEYS) -> str:  # fmt: skip
+def ui_hint(
+    uri: str | None, run_ids: list[str], experiment_id: str, keys: tuple[str, ...] = CURVE_KEYS
+) -> str:
     """Where to look at runs in the MLflow UI: its metric page with `keys` of every run
     overlaid by step (the compare-runs page opens on a parallel-coordinates plot)."""
     uri = uri or tracking_uri(HybridConfig())
@@ -324,8 +363,10 @@ def ui_hint(uri: str | None, run_ids: list[str], experiment_id: str,
     def q(value: object) -> str:
         return urllib.parse.quote(json.dumps(value, separators=(",", ":")))
 
-    page = (f"#/metric?runs={q(run_ids)}&metric={q(keys[0])}&experiments={q([experiment_id])}"
-            f"&plot_metric_keys={q(list(keys))}&x_axis=step&show_point=true")  # fmt: skip
+    page = (
+        f"#/metric?runs={q(run_ids)}&metric={q(keys[0])}&experiments={q([experiment_id])}"
+        f"&plot_metric_keys={q(list(keys))}&x_axis=step&show_point=true"
+    )
     if uri.startswith("http"):
         return f"{uri.rstrip('/')}/{page}"
     return f"`mlflow ui --backend-store-uri {uri} --port 5000`, then http://127.0.0.1:5000/{page}"

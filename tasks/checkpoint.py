@@ -38,8 +38,12 @@ def _options(engine: Engine, store: RunStore) -> dict[str, Any]:
     return storage_options(store.cfg, credentials=engine.pool is not None)
 
 
-@task(name="checkpoint", task_run_name="step-{step}/checkpoint", cache_policy=NONE,
-      persist_result=False)  # fmt: skip
+@task(
+    name="checkpoint",
+    task_run_name="step-{step}/checkpoint",
+    cache_policy=NONE,
+    persist_result=False,
+)
 def checkpoint(engine: Engine, store: RunStore, step: int, keep: int) -> StageResult:
     """Save weights version N (+ optimizer, scheduler, RNG, KL coefficient), commit, prune."""
     CLOCK.where = f"step-{step}/checkpoint"
@@ -91,8 +95,11 @@ def rollouts_missing(store: RunStore, version: int, t: Any, verify: bool = True)
     if version == 0:  # the first rollouts use version 0 itself
         return []
     last = min(version + t.max_staleness, t.total_training_steps)
-    ok = (lambda s: store.load_stage(s, "rollout") is not None) if verify else (
-        lambda s: store.is_committed(s, "rollout"))  # fmt: skip
+    ok = (
+        (lambda s: store.load_stage(s, "rollout") is not None)
+        if verify
+        else (lambda s: store.is_committed(s, "rollout"))
+    )
     return [s for s in range(version + 1, last + 1) if not ok(s)]
 
 
@@ -106,8 +113,7 @@ def load_checkpoint(engine: Engine, store: RunStore, step: int) -> bool:
     d = store.checkpoint_dir(step)
     try:
         for name, role in _roles(engine).items():
-            mine = {f.split("/", 1)[1]: sha for f, sha in files.items()
-                    if f.startswith(f"{name}/")}  # fmt: skip
+            mine = {f.split("/", 1)[1]: sha for f, sha in files.items() if f.startswith(f"{name}/")}
             role.load(store.locate(d).uri(f"{d}/{name}"), _options(engine, store), mine)
     except CorruptObject as e:
         log.warning("checkpoint step_%d is unusable (%s)", step, e)
@@ -136,12 +142,20 @@ def restore(engine: Engine, store: RunStore) -> tuple[int, str]:
     ):
         if not (missing := rollouts_missing(store, done, t)):
             return max(done, 1), f"the engine holds weights version {done}: nothing to load"
-        log.info("the engine holds version %d, but the rollouts of steps %s need older "
-                 "weights: loading a checkpoint", done, missing)  # fmt: skip
+        log.info(
+            "the engine holds version %d, but the rollouts of steps %s need older "
+            "weights: loading a checkpoint",
+            done,
+            missing,
+        )
     for step in reversed([c for c in store.checkpoints() if c <= done]):
         if missing := rollouts_missing(store, step, t):
-            log.info("checkpoint step_%d: the rollouts of steps %s are not committed and need "
-                     "older weights; trying an older one", step, missing)  # fmt: skip
+            log.info(
+                "checkpoint step_%d: the rollouts of steps %s are not committed and need "
+                "older weights; trying an older one",
+                step,
+                missing,
+            )
             continue
         if not load_checkpoint(engine, store, step):
             continue
@@ -164,8 +178,11 @@ def finish(engine: Engine, store: RunStore) -> dict[str, Any]:
     done = store.marker(FINAL)
     steps = len([h for h in rows if h.get("step", 0) > 0])
     if done is not None and done.get("steps", 0) < steps:
-        log.info("final/ holds the policy after %s steps; writing the one after %d",
-                 done.get("steps"), steps)  # fmt: skip
+        log.info(
+            "final/ holds the policy after %s steps; writing the one after %d",
+            done.get("steps"),
+            steps,
+        )
         store.remove(f"{FINAL}/{MARKER}")
         done = None
     if done is None:

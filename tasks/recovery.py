@@ -137,8 +137,14 @@ class Recovery:
         off and re-create the pool. Returns the event."""
         p = self.cfg.pipeline
         where, step = error.where or (CLOCK.where, CLOCK.step)
-        event = {"at": time.time(), "where": where, "step": step,
-                 "worker": error.worker, "how": error.how, "error": str(error)}  # fmt: skip
+        event = {
+            "at": time.time(),
+            "where": where,
+            "step": step,
+            "worker": error.worker,
+            "how": error.how,
+            "error": str(error),
+        }
         self.events.append(event)
         self._record()
         if self.count > p.max_recoveries:
@@ -152,17 +158,26 @@ class Recovery:
                 f"stage kept. Continue it with `hybridrl resume {self.store.run_id}`"
             ) from None
         delay = p.recovery_delay_s * 2 ** (self.count - 1)
-        log.warning("recovery %d/%d: %s; re-creating the pool in %.0f s",
-                    self.count, p.max_recoveries, error, delay)  # fmt: skip
+        log.warning(
+            "recovery %d/%d: %s; re-creating the pool in %.0f s",
+            self.count,
+            p.max_recoveries,
+            error,
+            delay,
+        )
         time.sleep(delay)
         start = time.perf_counter()
         removed = engine.recreate_pool()
         event["rebuild_s"] = time.perf_counter() - start
         event["removed"] = removed
         self._record()
-        log.warning("recovery %d: pool %r re-created in %.1f s (removed %s); restoring the "
-                    "last checkpoint", self.count, self.cfg.ray.pool_name, event["rebuild_s"],
-                    ", ".join(removed) or "nothing")  # fmt: skip
+        log.warning(
+            "recovery %d: pool %r re-created in %.1f s (removed %s); restoring the last checkpoint",
+            self.count,
+            self.cfg.ray.pool_name,
+            event["rebuild_s"],
+            ", ".join(removed) or "nothing",
+        )
         return event
 
     def _record(self) -> None:
@@ -252,8 +267,12 @@ def driver_record() -> dict[str, Any]:
             cmd = " ".join(child.cmdline())
             if "uvicorn" in cmd or "prefect" in cmd:
                 servers.append({"pid": child.pid, "started": child.create_time()})
-    return {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time(),
-            "servers": servers}  # fmt: skip
+    return {
+        "host": socket.gethostname(),
+        "pid": me.pid,
+        "started": me.create_time(),
+        "servers": servers,
+    }
 
 
 def clean_up_after(previous: dict[str, Any] | None) -> list[int]:
@@ -275,8 +294,11 @@ def clean_up_after(previous: dict[str, Any] | None) -> list[int]:
                     proc.kill()
                 ended.append(server["pid"])
     if ended:
-        log.warning("ended the Prefect server process(es) %s left by the killed driver (pid %d)",
-                    ended, previous["pid"])  # fmt: skip
+        log.warning(
+            "ended the Prefect server process(es) %s left by the killed driver (pid %d)",
+            ended,
+            previous["pid"],
+        )
     return ended
 
 

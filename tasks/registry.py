@@ -34,8 +34,11 @@ def _registered(cfg: HybridConfig, store: RunStore, source: str, step: int) -> A
     doc = store.read_run() or {}
     client = client_for(doc.get("mlflow_tracking_uri"))
     for v in client.search_model_versions(f"run_id = '{doc.get('mlflow_run_id')}'"):
-        if v.name == cfg.registry.model_name and v.tags.get("hybridrl.source") == source \
-                and v.tags.get("hybridrl.step") == str(step):  # fmt: skip
+        if (
+            v.name == cfg.registry.model_name
+            and v.tags.get("hybridrl.source") == source
+            and v.tags.get("hybridrl.step") == str(step)
+        ):
             return v
     return None
 
@@ -56,8 +59,11 @@ def register_final(cfg: HybridConfig, store: RunStore) -> dict[str, str] | None:
         with tempfile.TemporaryDirectory(prefix="hybridrl-register-") as tmp:
             version = register(cfg, store, store.local_dir(FINAL, tmp), step, FINAL, metrics)
         log.info("registered %s as %s version %s", store.uri(FINAL), version.name, version.version)
-    return {"model": f"{version.name}/{version.version}", "name": version.name,
-            "version": str(version.version)}  # fmt: skip
+    return {
+        "model": f"{version.name}/{version.version}",
+        "name": version.name,
+        "version": str(version.version),
+    }
 
 
 def register_checkpoint(cfg: HybridConfig, store: RunStore, step: int) -> Any:
@@ -70,8 +76,9 @@ def register_checkpoint(cfg: HybridConfig, store: RunStore, step: int) -> Any:
     source = store.checkpoint_dir(step)
     if (version := _registered(cfg, store, source, step)) is not None:
         return version
-    local = config_from_dict(store.read_run()["config"],
-                             [*IN_PROCESS, f"storage.root={store.cfg.root}"])  # fmt: skip
+    local = config_from_dict(
+        store.read_run()["config"], [*IN_PROCESS, f"storage.root={store.cfg.root}"]
+    )
     engine = Engine(local)
     if not load_checkpoint(engine, store, step):
         raise FileNotFoundError(f"run {store.run_id} has no usable checkpoint step_{step}")
@@ -83,8 +90,7 @@ def register_checkpoint(cfg: HybridConfig, store: RunStore, step: int) -> Any:
         return register(cfg, store, tmp, step, source, metrics)
 
 
-def announce(event: str, about: str, labels: dict[str, str] | None = None,
-             **payload: Any) -> None:  # fmt: skip
+def announce(event: str, about: str, labels: dict[str, str] | None = None, **payload: Any) -> None:
     """A Prefect event about run `about` (its run id); deployment triggers match on its
     resource labels (`hybridrl.registered: "true"` when the run registered a version)."""
     from prefect.events import emit_event

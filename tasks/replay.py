@@ -79,8 +79,9 @@ def metric_difference(stored: dict[str, Any], got: dict[str, Any]) -> str | None
     a, b = keep(stored), keep(got)
     for key in sorted(a.keys() | b.keys()):
         x, y = a.get(key), b.get(key)
-        if x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x)
-                           and math.isnan(y)):  # fmt: skip
+        if x != y and not (
+            isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)
+        ):
             return f"metric {key}: stored {x!r}, replayed {y!r}"
     return None
 

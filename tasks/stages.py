@@ -61,8 +61,13 @@ def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
         upstream = [v for v in a.values() if isinstance(v, StageResult)]
         own_s = result.step_s - (upstream[0].step_s if upstream else 0.0)
         CLOCK.record(fn.__name__, own_s)
-        emit("stage_finished", step=a["step"], stage=fn.__name__, seconds=own_s,
-             skipped=result.skipped)  # fmt: skip
+        emit(
+            "stage_finished",
+            step=a["step"],
+            stage=fn.__name__,
+            seconds=own_s,
+            skipped=result.skipped,
+        )
         return result
 
     return task(
@@ -82,8 +87,15 @@ class StageResult:
     dict or dataclass result by `id()`, and ids of freed parts get reused by unrelated
     values (spurious edges, see prefect#20558); a plain object is one weak-referenced leaf."""
 
-    def __init__(self, stage: str, step: int, uri: str, skipped: bool, step_s: float,
-                 metrics: dict[str, float]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stage: str,
+        step: int,
+        uri: str,
+        skipped: bool,
+        step_s: float,
+        metrics: dict[str, float],
+    ) -> None:
         self.stage, self.step, self.uri, self.skipped = stage, step, uri, skipped
         self.step_s = step_s  # wall seconds of this step's stages up to and including this one
         self.metrics = metrics
@@ -93,11 +105,13 @@ class StageResult:
         return f"StageResult(step-{self.step}/{self.stage}, {self.uri}, skipped={self.skipped})"
 
 
-def _result(stage: str, step: int, uri: str, meta: dict, skipped: bool,
-            upstream: StageResult | None = None) -> StageResult:  # fmt: skip
+def _result(
+    stage: str, step: int, uri: str, meta: dict, skipped: bool, upstream: StageResult | None = None
+) -> StageResult:
     before = upstream.step_s if upstream is not None else 0.0
-    return StageResult(stage, step, uri, skipped, before + meta.get("wall_s", 0.0),
-                       meta.get("metrics", {}))  # fmt: skip
+    return StageResult(
+        stage, step, uri, skipped, before + meta.get("wall_s", 0.0), meta.get("metrics", {})
+    )
 
 
 def _input(store: RunStore, upstream: StageResult) -> Any:
@@ -121,8 +135,7 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
         batch = _dynamic_rollout(engine, store, step)
     else:  # a multi-turn rollout passes a crash point after each turn
         batch = engine.rollout(step, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))
-    meta = {"metrics": batch.meta["metrics"],
-            "weights_version": int(batch["weights_version"][0])}  # fmt: skip
+    meta = {"metrics": batch.meta["metrics"], "weights_version": int(batch["weights_version"][0])}
     if "gen_batches" in batch.meta:  # the prompts this step consumed, and where the next starts
         meta |= {k: batch.meta[k] for k in ("gen_batches", "next_gen_batch")}
     meta["prompts"] = consumed(engine, batch.meta.get("gen_batches", [step]))
@@ -161,8 +174,9 @@ def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
     def save(j: int, part: Any) -> None:
         store.commit_stage(step, f"rollout-gen{j}", part, {"gen_batch": part.meta["gen_batch"]})
 
-    return engine.sample(step, first, load, save,
-                         on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))  # fmt: skip
+    return engine.sample(
+        step, first, load, save, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}")
+    )
 
 
 @stage_task
@@ -186,8 +200,11 @@ def advantage(engine: Engine, store: RunStore, step: int, reward: StageResult) -
         return _result("advantage", step, done.uri, done.meta, True, reward)
     start = time.perf_counter()
     batch = fault_batch(f"step-{step}/advantage:batch", engine.advantage(_input(store, reward)))
-    meta = {"metrics": batch.meta["metrics"], "kl_coef": engine.kl_ctrl.value,
-            "wall_s": time.perf_counter() - start}  # fmt: skip
+    meta = {
+        "metrics": batch.meta["metrics"],
+        "kl_coef": engine.kl_ctrl.value,
+        "wall_s": time.perf_counter() - start,
+    }
     uri = store.commit_stage(step, "advantage", batch, meta)
     return _result("advantage", step, uri, meta, False, reward)
 
@@ -235,7 +252,11 @@ def validate(engine: Engine, store: RunStore, step: int) -> StageResult:
     start = time.perf_counter()
     metrics = engine.validate(engine.cfg.tracking.val_samples)
     samples = metrics.pop("_samples", [])
-    meta = {"metrics": metrics, "samples": samples, "peak_rss_gb": peak_rss_gb(),
-            "wall_s": time.perf_counter() - start}  # fmt: skip
+    meta = {
+        "metrics": metrics,
+        "samples": samples,
+        "peak_rss_gb": peak_rss_gb(),
+        "wall_s": time.perf_counter() - start,
+    }
     uri = store.commit_stage(step, "validate", None, meta)
     return _result("validate", step, uri, meta, False)

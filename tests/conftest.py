@@ -41,8 +41,11 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked fast but uses {sorted(used)}")
 
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-          "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @pytest.fixture(scope="session")
@@ -79,8 +82,10 @@ def reference_run(tmp_path_factory, prefect_api):
     from runs import ARGS, driver, final_state, fs_for
 
     root = str(tmp_path_factory.mktemp("ref"))
-    rc, out = driver(["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root={root}",
-                      "--run-id", "ref"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        ["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root={root}", "--run-id", "ref"],
+        prefect_api,
+    )
     assert rc == 0, out
     assert "(from storage" not in out  # nothing to skip in a fresh run
     return root, final_state(fs_for(root, None), f"{root}/ref")

@@ -64,8 +64,9 @@ def _context(env: dict[str, str]):
         if wanted == fixed:
             return ctx
         differ = sorted(k for k in {*fixed, *wanted} if fixed.get(k) != wanted.get(k))
-        print(f"[drivers] a plain subprocess: {differ} differ from the fork server's",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"[drivers] a plain subprocess: {differ} differ from the fork server's", file=sys.stderr
+        )
         return None
 
 
@@ -104,15 +105,20 @@ class Driver:
     """A `hybridrl` process, forked (see the module's docstring) or a plain subprocess;
     `pid` leads its own process group."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path = ROOT,
-                 merged: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, argv: list[str], env: dict[str, str], cwd: Path = ROOT, merged: bool = True
+    ) -> None:
         ctx = _context(env)
         if ctx is None:
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merged else subprocess.PIPE,
-                text=True, start_new_session=True,
-            )  # fmt: skip
+                [sys.executable, "-m", "flows.cli", *argv],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             self.pid = self._popen.pid
             return
         self._popen = None

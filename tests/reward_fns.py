@@ -37,8 +37,10 @@ def returns_too_few(prompts, completions, rows):
 def half_solved(prompts, completions, rows):
     """Prompts with an even answer: every sample scores 1 (a group with nothing to learn,
     which dynamic sampling drops); odd answers: 1 for a completion of odd length, else 0."""
-    return [1.0 if int(row["ground_truth"]) % 2 == 0 else float(len(text) % 2)
-            for text, row in zip(completions, rows, strict=True)]  # fmt: skip
+    return [
+        1.0 if int(row["ground_truth"]) % 2 == 0 else float(len(text) % 2)
+        for text, row in zip(completions, rows, strict=True)
+    ]
 
 
 def always_one(prompts, completions, rows):

@@ -17,12 +17,23 @@ from safetensors.torch import load as st_load
 
 ROOT = Path(__file__).parents[1]
 STEPS = 4
-ARGS = ["reward.function=reward_fns:length_score", f"trainer.total_training_steps={STEPS}",
-        "trainer.save_freq=2", "trainer.test_freq=2", "trainer.val_before_train=true",
-        "rollout.micro_batch_size=8", "pipeline.retry_delay_s=0.2",
-        "tracking.enabled=false"]  # fmt: skip
-KILLS = ["step-1/rollout:before_commit", "step-2/reward:before_commit", "step-2:end",
-         "step-3/advantage:before_commit", "step-4/update:before_commit"]  # fmt: skip
+ARGS = [
+    "reward.function=reward_fns:length_score",
+    f"trainer.total_training_steps={STEPS}",
+    "trainer.save_freq=2",
+    "trainer.test_freq=2",
+    "trainer.val_before_train=true",
+    "rollout.micro_batch_size=8",
+    "pipeline.retry_delay_s=0.2",
+    "tracking.enabled=false",
+]
+KILLS = [
+    "step-1/rollout:before_commit",
+    "step-2/reward:before_commit",
+    "step-2:end",
+    "step-3/advantage:before_commit",
+    "step-4/update:before_commit",
+]
 
 
 def wait_for(flag: Path, proc: Driver, timeout_s: float = 300) -> None:
@@ -37,12 +48,22 @@ def wait_for(flag: Path, proc: Driver, timeout_s: float = 300) -> None:
         time.sleep(0.05)
 
 
-def driver(args: list[str], prefect_api: str, fault: str | None = None, extra_env=None,
-           timeout: float = 600):  # fmt: skip
+def driver(
+    args: list[str],
+    prefect_api: str,
+    fault: str | None = None,
+    extra_env=None,
+    timeout: float = 600,
+):
     """One `hybridrl` process in its own process group (killed with it if it crashes):
     (exit status, stdout and stderr interleaved)."""
-    env = {**PRISTINE_ENV, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
-           "PREFECT_API_URL": prefect_api, **(extra_env or {})}  # fmt: skip
+    env = {
+        **PRISTINE_ENV,
+        **S3_ENV,
+        "PYTHONPATH": str(ROOT / "tests"),
+        "PREFECT_API_URL": prefect_api,
+        **(extra_env or {}),
+    }
     env.pop("HYBRIDRL_FAULT", None)
     if fault:
         env["HYBRIDRL_FAULT"] = fault
@@ -81,8 +102,10 @@ def final_state(fs, run_url: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
 
 def comparable(history: list[dict]) -> list[dict]:
     """Metrics that must be equal: everything but wall times and speeds."""
-    return [{k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
-            for row in history]  # fmt: skip
+    return [
+        {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
+        for row in history
+    ]
 
 
 def rollout_markers(fs, run_url: str) -> dict[str, bytes]:

@@ -38,13 +38,21 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 
 def start_prefect(home: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_UI_ENABLED": "false",
+    }
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/api"
     wait_http(f"{url}/health", 120, proc)
     return proc, url
@@ -54,8 +62,10 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
         [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/moto-api/", 30, proc)
     return proc, url
@@ -64,14 +74,31 @@ def start_moto() -> tuple[subprocess.Popen, str]:
 def start_mlflow(home: Path) -> tuple[subprocess.Popen, str]:
     """`mlflow server` on sqlite, artifacts proxied into `home` (MACHINE-FACTS settings)."""
     port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           "MLFLOW_DISABLE_TELEMETRY": "true"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
     proc = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination",
-         str(home / "artifacts"), "--workers", "1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{home}/mlflow.db",
+            "--artifacts-destination",
+            str(home / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 120, proc)
     return proc, url

@@ -31,8 +31,12 @@ from safetensors.torch import load_file
 from hybrid_engine.config import ConfigError, load_config
 from hybrid_engine.staleness import StaleSamples, rollout_version, staleness_metrics
 
-ASYNC = ["trainer.max_staleness=1", "ray.pool_name=async", "ray.call_timeout_s=120",
-         "pipeline.recovery_delay_s=0.2"]  # fmt: skip
+ASYNC = [
+    "trainer.max_staleness=1",
+    "ray.pool_name=async",
+    "ray.call_timeout_s=120",
+    "pipeline.recovery_delay_s=0.2",
+]
 
 
 # ----------------------------------------------------------------------------- config
@@ -51,8 +55,10 @@ def test_what_asynchronous_training_cannot_run_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="ray.rollout = separate need trainer.backend=ray"):
         load_config("configs/grpo_tiny.yaml", ["ray.rollout=separate"])
     # a correction the user chose is kept
-    cfg = load_config("configs/grpo_tiny.yaml", ["trainer.max_staleness=2",
-                                                 "algorithm.rollout_correction.level=sequence"])  # fmt: skip
+    cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        ["trainer.max_staleness=2", "algorithm.rollout_correction.level=sequence"],
+    )
     assert cfg.algorithm.rollout_correction.level == "sequence"
 
 
@@ -66,8 +72,9 @@ def test_the_schedule_fixes_each_rollouts_weights_version_and_bounds_staleness()
         staleness_metrics(torch.tensor([1, 1]), 3, 1, 5)
 
 
-@pytest.mark.parametrize("extra", [[], ["actor.lora.rank=4", "actor.lora.alpha=8"]],
-                         ids=["full", "lora"])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra", [[], ["actor.lora.rank=4", "actor.lora.alpha=8"]], ids=["full", "lora"]
+)
 def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
     """After one update (version 1) the trainer's full state dict goes into a fresh replica:
     the same tokens and sampling log-probs as the trainer's own rollout; before, not."""
@@ -92,8 +99,9 @@ def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
     assert replica.weights_version == 1
     assert torch.equal(got["response_ids"], want["response_ids"])
     # the same numbers up to float32 rounding (another module's memory: measured <= 1e-6)
-    torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], atol=1e-5,
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        got["rollout_log_probs"], want["rollout_log_probs"], atol=1e-5, rtol=0
+    )
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -104,11 +112,29 @@ def ray_env(tmp_path_factory, prefect_api):
         yield env
 
 
-def run(root: Path, run_id: str, prefect_api: str, env: dict, fault: str | None = None,
-        resume: bool = False, extra: tuple[str, ...] = ()) -> tuple[int, str]:  # fmt: skip
-    args = (["resume", run_id, f"storage.root={root}"] if resume else
-            ["train", "configs/grpo_tiny.yaml", *ARGS, *ASYNC, *extra, f"storage.root={root}",
-             "--run-id", run_id])  # fmt: skip
+def run(
+    root: Path,
+    run_id: str,
+    prefect_api: str,
+    env: dict,
+    fault: str | None = None,
+    resume: bool = False,
+    extra: tuple[str, ...] = (),
+) -> tuple[int, str]:
+    args = (
+        ["resume", run_id, f"storage.root={root}"]
+        if resume
+        else [
+            "train",
+            "configs/grpo_tiny.yaml",
+            *ARGS,
+            *ASYNC,
+            *extra,
+            f"storage.root={root}",
+            "--run-id",
+            run_id,
+        ]
+    )
     return driver(args, prefect_api, fault=fault, extra_env=env)
 
 
@@ -116,8 +142,9 @@ def run(root: Path, run_id: str, prefect_api: str, env: dict, fault: str | None 
 def async_reference(tmp_path_factory, prefect_api, ray_env):
     root = tmp_path_factory.mktemp("async-ref")
     db = f"sqlite:///{root}/mlflow.db"
-    rc, out = run(root, "ref", prefect_api, ray_env,
-                  extra=("tracking.enabled=true", f"tracking.uri={db}"))  # fmt: skip
+    rc, out = run(
+        root, "ref", prefect_api, ray_env, extra=("tracking.enabled=true", f"tracking.uri={db}")
+    )
     assert rc == 0, out
     return root / "ref", final_state(fs_for(str(root), None), f"{root}/ref"), db
 
@@ -181,11 +208,17 @@ def test_killed_at_each_point_of_the_overlap_and_resumed_is_exact(
     fs = fs_for(str(tmp_path), None)
     run_url = f"{tmp_path}/chain"
     hold = tmp_path / "hold"
-    chain = [(f"step-3/rollout:before_commit=pause:{hold};step-2/update:before_commit=kill",
-              -signal.SIGKILL), ("step-3/rollout:start=term", 143),
-             ("step-2:end=kill", -signal.SIGKILL), ("step-3/advantage:before_commit=kill",
-              -signal.SIGKILL), ("step-4/update:before_commit=kill", -signal.SIGKILL),
-             (None, 0)]  # fmt: skip
+    chain = [
+        (
+            f"step-3/rollout:before_commit=pause:{hold};step-2/update:before_commit=kill",
+            -signal.SIGKILL,
+        ),
+        ("step-3/rollout:start=term", 143),
+        ("step-2:end=kill", -signal.SIGKILL),
+        ("step-3/advantage:before_commit=kill", -signal.SIGKILL),
+        ("step-4/update:before_commit=kill", -signal.SIGKILL),
+        (None, 0),
+    ]
     logs = []
     for i, (fault, expected) in enumerate(chain):
         before = rollout_markers(fs, run_url)
@@ -213,26 +246,45 @@ def test_a_fork_of_an_asynchronous_run_is_its_parent_and_keeps_every_prompt_once
 
     run_dir, reference, _ = async_reference
     root, run_id = str(run_dir.parent), f"fork-{stage}"
-    rc, out = driver(["fork", "ref", "--at", f"3/{stage}", "--run-id", run_id,
-                      f"storage.root={root}", "tracking.enabled=false"], prefect_api,
-                     extra_env=ray_env)  # fmt: skip
+    rc, out = driver(
+        [
+            "fork",
+            "ref",
+            "--at",
+            f"3/{stage}",
+            "--run-id",
+            run_id,
+            f"storage.root={root}",
+            "tracking.enabled=false",
+        ],
+        prefect_api,
+        extra_env=ray_env,
+    )
     assert rc == 0, out
     how = "fresh weights, replaying 2" if stage == "rollout" else "loaded checkpoint step_2"
     assert how in out, out
     assert_same_run(final_state(fs_for(root, None), f"{root}/{run_id}"), reference)
     store = RunStore(StorageConfig(root=root), run_id)
-    consumed = [(p["epoch"], r) for n in range(1, STEPS + 1)
-                for p in store.load_stage(n, "rollout").meta["prompts"] for r in p["rows"]]  # fmt: skip
+    consumed = [
+        (p["epoch"], r)
+        for n in range(1, STEPS + 1)
+        for p in store.load_stage(n, "rollout").meta["prompts"]
+        for r in p["rows"]
+    ]
     data = PromptData(load_config("configs/grpo_tiny.yaml", ARGS).data)
-    assert consumed == [(e, r) for n in range(1, STEPS + 1)
-                        for e, rows in [data.step_indices(n)] for r in rows]  # fmt: skip
+    assert consumed == [
+        (e, r) for n in range(1, STEPS + 1) for e, rows in [data.step_indices(n)] for r in rows
+    ]
 
 
-def test_an_asynchronous_fork_at_a_rollout_may_not_change_what_updates_read(async_reference,
-                                                                           prefect_api):  # fmt: skip
+def test_an_asynchronous_fork_at_a_rollout_may_not_change_what_updates_read(
+    async_reference, prefect_api
+):
     root = str(async_reference[0].parent)
-    rc, out = driver(["fork", "ref", "--at", "3/rollout", f"storage.root={root}",
-                      "actor.optim.lr=1e-2"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        ["fork", "ref", "--at", "3/rollout", f"storage.root={root}", "actor.optim.lr=1e-2"],
+        prefect_api,
+    )
     assert rc == 1 and "applies the parent's updates 2..2 again" in out, out
 
 
@@ -243,23 +295,26 @@ def test_a_dead_rollout_replica_and_a_dead_trainer_are_recovered_exactly(
     reports sampled tokens), actor-0 killed 0.1 s into step 4's update: two recoveries, and
     the same weights as the uninterrupted run (a fresh run with the same seed: asynchronous
     training is deterministic)."""
-    fault = ("step-3/rollout:start=kill-worker:rollout-0@generating;"
-             "step-4/update:start=kill-worker:actor-0@0.1")  # fmt: skip
+    fault = (
+        "step-3/rollout:start=kill-worker:rollout-0@generating;"
+        "step-4/update:start=kill-worker:actor-0@0.1"
+    )
     log = tmp_path / "faults.log"
-    rc, out = run(tmp_path, "healed", prefect_api, {**ray_env, "HYBRIDRL_FAULT_LOG": str(log)},
-                  fault)  # fmt: skip
+    rc, out = run(
+        tmp_path, "healed", prefect_api, {**ray_env, "HYBRIDRL_FAULT_LOG": str(log)}, fault
+    )
     assert rc == 0, out
     assert "recovered from 2 worker fault(s)" in out
     events = json.loads((tmp_path / "healed" / "run.json").read_text())["recoveries"]
-    assert [(e["worker"], e["how"]) for e in events] == [("rollout-0", "died"),
-                                                         ("actor-0", "died")]  # fmt: skip
+    assert [(e["worker"], e["how"]) for e in events] == [("rollout-0", "died"), ("actor-0", "died")]
     # rollout-0 died inside step 3's generate call, beside step 2's update: the driver sees
     # it first in update 2's worker status if that ends meanwhile, else in the rollout call
     killed = [x for x in log.read_text().splitlines() if "rollout-0@generating:" in x]
     assert len(killed) == 1 and "signalled while generating ({'tokens'" in killed[0], killed
     assert events[0]["where"] in ("step-2/update", "step-3/rollout")
-    assert_same_run(final_state(fs_for(str(tmp_path), None), f"{tmp_path}/healed"),
-                    async_reference[1])  # fmt: skip
+    assert_same_run(
+        final_state(fs_for(str(tmp_path), None), f"{tmp_path}/healed"), async_reference[1]
+    )
 
 
 def test_a_separate_rollout_group_without_staleness_equals_the_colocated_run(
@@ -268,9 +323,13 @@ def test_a_separate_rollout_group_without_staleness_equals_the_colocated_run(
     """trainer.max_staleness=0 with ray.rollout=separate: every rollout waits for the last
     update's weights, sent to the replica; weights and metrics are bit-equal to the
     in-process run's (which has no staleness metrics)."""
-    rc, out = run(tmp_path, "sep", prefect_api, ray_env,
-                  extra=("trainer.max_staleness=0", "trainer.backend=ray",
-                         "ray.rollout=separate"))  # fmt: skip
+    rc, out = run(
+        tmp_path,
+        "sep",
+        prefect_api,
+        ray_env,
+        extra=("trainer.max_staleness=0", "trainer.backend=ray", "ray.rollout=separate"),
+    )
     assert rc == 0, out
     weights, history = final_state(fs_for(str(tmp_path), None), f"{tmp_path}/sep")
     assert all(row.get("async/staleness/max", 0) == 0 for row in history)

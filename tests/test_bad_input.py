@@ -74,8 +74,9 @@ def setup(case: str, tmp: Path) -> list[str]:
         cfg = load_config(TINY)
         run = tmp / "runs" / "old"
         run.mkdir(parents=True)
-        (run / "run.json").write_text(json.dumps({"run_id": "old",
-                                                  "config": redact(cfg.model_dump(mode="json"))}))  # fmt: skip
+        (run / "run.json").write_text(
+            json.dumps({"run_id": "old", "config": redact(cfg.model_dump(mode="json"))})
+        )
         return []
     return []
 
@@ -90,22 +91,46 @@ CASES = [
     ("n not a number", ["train", TINY, "rollout.n=abc"], {}, "rollout.n"),
     ("negative temperature", ["train", TINY, "rollout.temperature=-1"], {}, "rollout.temperature"),
     ("top_p above 1", ["train", TINY, "rollout.top_p=1.5"], {}, "rollout.top_p"),
-    ("negative val tokens", ["train", TINY, "rollout.val.max_new_tokens=-5"], {},
-     "rollout.val.max_new_tokens"),
-    ("unknown estimator", ["train", TINY, "algorithm.adv_estimator=nope"], {},
-     "algorithm.adv_estimator"),
+    (
+        "negative val tokens",
+        ["train", TINY, "rollout.val.max_new_tokens=-5"],
+        {},
+        "rollout.val.max_new_tokens",
+    ),
+    (
+        "unknown estimator",
+        ["train", TINY, "algorithm.adv_estimator=nope"],
+        {},
+        "algorithm.adv_estimator",
+    ),
     ("unknown loss", ["train", TINY, "actor.policy_loss.mode=nope"], {}, "actor.policy_loss.mode"),
-    ("mini-batch not dividing", ["train", TINY, "actor.ppo_mini_batch_size=3"], {},
-     "ppo_mini_batch_size"),
+    (
+        "mini-batch not dividing",
+        ["train", TINY, "actor.ppo_mini_batch_size=3"],
+        {},
+        "ppo_mini_batch_size",
+    ),
     ("unknown backend", ["train", TINY, "trainer.backend=gpu"], {}, "trainer.backend"),
     ("override without =", ["train", TINY, "rollout.n"], {}, "is not of the form key.path=value"),
-    ("python tag in a value", ["train", TINY, "actor.optim.lr=!!python/object/apply:os.getpid []"],
-     {}, "override actor.optim.lr: the value is not plain YAML"),
+    (
+        "python tag in a value",
+        ["train", TINY, "actor.optim.lr=!!python/object/apply:os.getpid []"],
+        {},
+        "override actor.optim.lr: the value is not plain YAML",
+    ),
     ("moved key", ["train", TINY, "trainer.output_dir=x"], {}, "replaced by storage.root"),
-    ("secret-looking unknown key", ["train", TINY, "tracking.api_token=tok-123"], {},
-     "unknown key 'tracking.api_token' (value hidden)"),
-    ("credentials in a URL", ["train", TINY, "storage.endpoint_url=http://AK:SK@127.0.0.1:9"], {},
-     "storage.endpoint_url: credentials never go in the URL"),
+    (
+        "secret-looking unknown key",
+        ["train", TINY, "tracking.api_token=tok-123"],
+        {},
+        "unknown key 'tracking.api_token' (value hidden)",
+    ),
+    (
+        "credentials in a URL",
+        ["train", TINY, "storage.endpoint_url=http://AK:SK@127.0.0.1:9"],
+        {},
+        "storage.endpoint_url: credentials never go in the URL",
+    ),
     ("bad pool name", ["train", TINY, "ray.pool_name=../x"], {}, "ray.pool_name"),
     # presets
     ("missing preset", ["train", "configs/missing.yaml"], {}, "does not exist"),
@@ -113,60 +138,130 @@ CASES = [
     ("preset a list", ["train"], {}, "l.yaml"),
     ("preset extends missing", ["train"], {}, "nowhere.yaml"),
     # environment variables
-    ("unknown env section", ["train", TINY], {"HYBRIDRL_ROLOUT__N": "2"},
-     "environment variable HYBRIDRL_ROLOUT__N: no config section 'rolout'"),
+    (
+        "unknown env section",
+        ["train", TINY],
+        {"HYBRIDRL_ROLOUT__N": "2"},
+        "environment variable HYBRIDRL_ROLOUT__N: no config section 'rolout'",
+    ),
     ("unknown env key", ["train", TINY], {"HYBRIDRL_ROLLOUT__NN": "2"}, "rollout.nn"),
     ("bad env value", ["train", TINY], {"HYBRIDRL_ROLLOUT__N": "abc"}, "rollout.n"),
     # data
-    ("missing data file", ["train", TINY, "data.train_source=/no/such.jsonl"], {},
-     "data file '/no/such.jsonl' does not exist"),
+    (
+        "missing data file",
+        ["train", TINY, "data.train_source=/no/such.jsonl"],
+        {},
+        "data file '/no/such.jsonl' does not exist",
+    ),
     ("empty data", ["train", TINY], {}, "exceeds the 0 training rows"),
     ("malformed line", ["train", TINY], {}, "line 3 is not JSON"),
     ("missing field", ["train", TINY], {}, "row 1 has no reward_model.ground_truth"),
     ("wrong parquet columns", ["train", TINY], {}, "row 0 has no 'prompt' list"),
     ("csv data", ["train", TINY], {}, "expected .parquet or .jsonl"),
-    ("unknown reasoning-gym task", ["train", TINY, "data.train_source=reasoning_gym:nope"], {},
-     "nope"),
-    ("task config rejected", ["train", TINY, "data.task_config={min_terms: 0}"], {},
-     "data.task_config"),
+    (
+        "unknown reasoning-gym task",
+        ["train", TINY, "data.train_source=reasoning_gym:nope"],
+        {},
+        "nope",
+    ),
+    (
+        "task config rejected",
+        ["train", TINY, "data.task_config={min_terms: 0}"],
+        {},
+        "data.task_config",
+    ),
     # reward functions
     ("no such module", ["train", TINY, "reward.function=nope:fn"], {}, "reward.function='nope:fn'"),
-    ("module raises on import", ["train", TINY, "reward.function=raises_on_import:f"], {},
-     "raises_on_import"),
+    (
+        "module raises on import",
+        ["train", TINY, "reward.function=raises_on_import:f"],
+        {},
+        "raises_on_import",
+    ),
     ("no such function", ["train", TINY, "reward.function=reward_fns:nothere"], {}, "nothere"),
-    ("reward raises", ["train", TINY, "reward.function=reward_fns:always_raises"], {},
-     "reward function failed on sample 0"),
-    ("reward NaN", ["train", TINY, "reward.function=reward_fns:returns_nan"], {},
-     "reward for sample 3 is nan, not a finite float"),
-    ("reward None", ["train", TINY, "reward.function=reward_fns:returns_none"], {},
-     "reward for sample 0 is None"),
-    ("reward count", ["train", TINY, "reward.function=reward_fns:returns_too_few"], {},
-     "returned 1 scores for 4 samples"),
+    (
+        "reward raises",
+        ["train", TINY, "reward.function=reward_fns:always_raises"],
+        {},
+        "reward function failed on sample 0",
+    ),
+    (
+        "reward NaN",
+        ["train", TINY, "reward.function=reward_fns:returns_nan"],
+        {},
+        "reward for sample 3 is nan, not a finite float",
+    ),
+    (
+        "reward None",
+        ["train", TINY, "reward.function=reward_fns:returns_none"],
+        {},
+        "reward for sample 0 is None",
+    ),
+    (
+        "reward count",
+        ["train", TINY, "reward.function=reward_fns:returns_too_few"],
+        {},
+        "returned 1 scores for 4 samples",
+    ),
     # model directories
-    ("missing model dir", ["train", TINY, "model.path=/no/such/model"], {},
-     "model.path='/no/such/model' is not a Hugging Face model directory"),
+    (
+        "missing model dir",
+        ["train", TINY, "model.path=/no/such/model"],
+        {},
+        "model.path='/no/such/model' is not a Hugging Face model directory",
+    ),
     ("corrupt model config", ["train", TINY], {}, "its config.json cannot be read"),
     # storage roots
     ("storage root under a file", ["train", TINY], {}, "is not writable"),
-    ("storage root in /proc", ["train", TINY, "storage.root=/proc/hybridrl-runs"], {},
-     "storage.root='/proc/hybridrl-runs' is not writable"),
-    ("S3 endpoint down", ["train", TINY, "storage.root=s3://b/runs",
-                          "storage.endpoint_url=http://127.0.0.1:1", "storage.timeout_s=2"],
-     {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}, "does not answer"),
+    (
+        "storage root in /proc",
+        ["train", TINY, "storage.root=/proc/hybridrl-runs"],
+        {},
+        "storage.root='/proc/hybridrl-runs' is not writable",
+    ),
+    (
+        "S3 endpoint down",
+        [
+            "train",
+            TINY,
+            "storage.root=s3://b/runs",
+            "storage.endpoint_url=http://127.0.0.1:1",
+            "storage.timeout_s=2",
+        ],
+        {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"},
+        "does not answer",
+    ),
     # tracking
-    ("tracking server down", ["train", TINY, "tracking.uri=http://127.0.0.1:1"], {},
-     "does not answer"),
-    ("runs list on a missing store", ["runs", "list", "--tracking-uri", "sqlite:///no/dir/x.db"],
-     {}, "no MLflow store at"),
+    (
+        "tracking server down",
+        ["train", TINY, "tracking.uri=http://127.0.0.1:1"],
+        {},
+        "does not answer",
+    ),
+    (
+        "runs list on a missing store",
+        ["runs", "list", "--tracking-uri", "sqlite:///no/dir/x.db"],
+        {},
+        "no MLflow store at",
+    ),
     # run ids, pools, resume
     ("bad run id", ["train", TINY, "--run-id", "../x"], {}, "run id '../x'"),
     ("run exists", ["train", TINY, "--run-id", "old"], {}, "run 'old' already exists"),
-    ("bad pool option", ["pool", "status", "--pool", "../x"], {}, "--pool '../x' is not a pool name"),
+    (
+        "bad pool option",
+        ["pool", "status", "--pool", "../x"],
+        {},
+        "--pool '../x' is not a pool name",
+    ),
     ("resume unknown run", ["resume", "nope"], {}, "no run 'nope'"),
     ("resume bad run id", ["resume", "../x"], {}, "run id '../x'"),
-    ("resume changes rollout.n", ["resume", "old", "rollout.n=2"], {},
-     "resume cannot change rollout.n"),
-]  # fmt: skip
+    (
+        "resume changes rollout.n",
+        ["resume", "old", "rollout.n=2"],
+        {},
+        "resume cannot change rollout.n",
+    ),
+]
 
 
 @pytest.fixture()

@@ -35,9 +35,15 @@ def run(*args, cwd, env=None, timeout=300):
 
 def test_train_saves_final_policy_and_summary(tmp_path):
     root = Path(__file__).parents[1]
-    p = run("train", str(root / "configs/grpo_tiny.yaml"), f"storage.root={tmp_path}",
-            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-            "trainer.run_id=t1", "reward.function=reward_fns:length_score", cwd=root)  # fmt: skip
+    p = run(
+        "train",
+        str(root / "configs/grpo_tiny.yaml"),
+        f"storage.root={tmp_path}",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        "trainer.run_id=t1",
+        "reward.function=reward_fns:length_score",
+        cwd=root,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "run t1: 2 steps recorded" in p.stdout
     final = tmp_path / "t1" / "final"
@@ -94,16 +100,28 @@ def test_commands_fail_in_seconds_with_one_line(args, needle, tmp_path):
 @pytest.mark.fast
 def test_train_with_a_tracking_server_that_is_down_fails_fast(tmp_path):
     root = Path(__file__).parents[1]
-    p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}",
-            "tracking.uri=http://127.0.0.1:1", cwd=root, timeout=FAST)  # fmt: skip
+    p = run(
+        "train",
+        "configs/grpo_tiny.yaml",
+        f"storage.root={tmp_path}",
+        "tracking.uri=http://127.0.0.1:1",
+        cwd=root,
+        timeout=FAST,
+    )
     assert p.returncode == 1 and "does not answer" in p.stdout, p.stdout + p.stderr
 
 
 def test_resume_is_checked_against_the_stored_run_and_a_longer_run_gets_a_new_final(tmp_path):
     root = Path(__file__).parents[1]
     common = [f"storage.root={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
-    p = run("train", "configs/grpo_tiny.yaml", *common, "trainer.run_id=t2",
-            "reward.function=reward_fns:length_score", cwd=root)  # fmt: skip
+    p = run(
+        "train",
+        "configs/grpo_tiny.yaml",
+        *common,
+        "trainer.run_id=t2",
+        "reward.function=reward_fns:length_score",
+        cwd=root,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     # a copy: load_file maps the file, and final/ is rewritten in place
     before = {
@@ -121,9 +139,17 @@ def test_resume_is_checked_against_the_stored_run_and_a_longer_run_gets_a_new_fi
 
 def test_a_nan_update_fails_the_run_with_one_line_and_writes_no_checkpoint(tmp_path):
     root = Path(__file__).parents[1]
-    p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}", "trainer.run_id=n1",
-            "tracking.enabled=false", "trainer.save_freq=1", "algorithm.plugins=[plugin_nan]",
-            "actor.policy_loss.mode=plugin_nan", cwd=root)  # fmt: skip
+    p = run(
+        "train",
+        "configs/grpo_tiny.yaml",
+        f"storage.root={tmp_path}",
+        "trainer.run_id=n1",
+        "tracking.enabled=false",
+        "trainer.save_freq=1",
+        "algorithm.plugins=[plugin_nan]",
+        "actor.policy_loss.mode=plugin_nan",
+        cwd=root,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "step 1: actor update refused: gradient norm nan" in lines[0]
@@ -140,9 +166,17 @@ def test_secrets_in_env_maps_are_not_recorded_and_a_resume_asks_for_them(tmp_pat
     db = f"sqlite:///{tmp_path}/mlflow.db"
     env_map = f"ray.worker_env={{AWS_SECRET_ACCESS_KEY: {secret}, MALLOC_ARENA_MAX: '2'}}"
     home = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": ""}  # its own API
-    p = run("train", "configs/grpo_tiny.yaml", f"storage.root={tmp_path}", "trainer.run_id=s1",
-            f"tracking.uri={db}", env_map, "trainer.total_training_steps=1", cwd=root,
-            env=home)  # fmt: skip
+    p = run(
+        "train",
+        "configs/grpo_tiny.yaml",
+        f"storage.root={tmp_path}",
+        "trainer.run_id=s1",
+        f"tracking.uri={db}",
+        env_map,
+        "trainer.total_training_steps=1",
+        cwd=root,
+        env=home,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     for path in (tmp_path / "s1").rglob("*.json"):
         assert secret not in path.read_text(), path
@@ -158,13 +192,26 @@ def test_secrets_in_env_maps_are_not_recorded_and_a_resume_asks_for_them(tmp_pat
     assert "MALLOC_ARENA_MAX" in mlrun.data.params["ray.worker_env"]
     config_yaml = Path(client.download_artifacts(mlrun.info.run_id, "config.yaml", tmp_path))
     assert secret not in config_yaml.read_text()
-    p = run("resume", "s1", "trainer.total_training_steps=2", f"storage.root={tmp_path}",
-            f"tracking.uri={db}", cwd=root)  # fmt: skip
+    p = run(
+        "resume",
+        "s1",
+        "trainer.total_training_steps=2",
+        f"storage.root={tmp_path}",
+        f"tracking.uri={db}",
+        cwd=root,
+    )
     assert (
         p.returncode == 1
         and "ray.worker_env.AWS_SECRET_ACCESS_KEY: secret values are not"
         in p.stdout.replace("\n", " ")
     ), p.stdout + p.stderr
-    p = run("resume", "s1", "trainer.total_training_steps=2", f"storage.root={tmp_path}",
-            f"tracking.uri={db}", env_map, cwd=root)  # fmt: skip
+    p = run(
+        "resume",
+        "s1",
+        "trainer.total_training_steps=2",
+        f"storage.root={tmp_path}",
+        f"tracking.uri={db}",
+        env_map,
+        cwd=root,
+    )
     assert p.returncode == 0, p.stdout + p.stderr

@@ -71,12 +71,20 @@ def test_ranks_are_placed_on_the_nodes_asked_for(cluster):
     spread = Engine(cfg("spread", "actor.layout.dp=2", "ray.placement=strict_spread"))
     assert sorted(nodes_of(spread).values()) == sorted([head, second])
     shell = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # as a user's
-    status = subprocess.run([sys.executable, "-m", "flows.cli", "cluster", "status"], cwd=ROOT,
-                            env={**shell, **cluster["env"], "COLUMNS": "250"},
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    status = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "cluster", "status"],
+        cwd=ROOT,
+        env={**shell, **cluster["env"], "COLUMNS": "250"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert status.returncode == 0, status.stdout + status.stderr
-    rows = {line.split("│")[1].strip(): line for line in status.stdout.splitlines()
-            if line.count("│") > 3 and line.split("│")[1].strip() not in ("", "node")}  # fmt: skip
+    rows = {
+        line.split("│")[1].strip(): line
+        for line in status.stdout.splitlines()
+        if line.count("│") > 3 and line.split("│")[1].strip() not in ("", "node")
+    }
     assert set(rows) == {head[:12], second[:12]}, status.stdout
     assert "head" in rows[head[:12]] and "second=1" in rows[second[:12]]
     by_node = {v: k for k, v in nodes_of(spread).items()}
@@ -118,12 +126,23 @@ def test_an_unplaceable_pool_is_refused_in_one_line(cluster):
 def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path, prefect_api):
     from storage.store import check_reach
 
-    base = ["trainer.backend=ray", "ray.pool_name=store", "actor.layout.dp=2",
-            "ray.placement=strict_spread", "trainer.total_training_steps=1",
-            "tracking.enabled=false", "rollout.micro_batch_size=8", SIGNAL]  # fmt: skip
+    base = [
+        "trainer.backend=ray",
+        "ray.pool_name=store",
+        "actor.layout.dp=2",
+        "ray.placement=strict_spread",
+        "trainer.total_training_steps=1",
+        "tracking.enabled=false",
+        "rollout.micro_batch_size=8",
+        SIGNAL,
+    ]
     run = ["train", "configs/grpo_tiny.yaml", *base]
-    rc, out = driver([*run, f"storage.root={tmp_path / 'runs'}", "--run-id", "r1"], prefect_api,
-                     extra_env=cluster["env"], timeout=300)  # fmt: skip
+    rc, out = driver(
+        [*run, f"storage.root={tmp_path / 'runs'}", "--run-id", "r1"],
+        prefect_api,
+        extra_env=cluster["env"],
+        timeout=300,
+    )
     assert rc == 1, out
     assert "is a local directory but the pool and this driver are on 2 Ray nodes" in out
     shared = load_config(
@@ -139,20 +158,34 @@ def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path, 
     down("store", stop_head=False)
 
 
-def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(cluster, tmp_path,
-                                                                              prefect_api):  # fmt: skip
+def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(
+    cluster, tmp_path, prefect_api
+):
     """A node "third" (2 CPUs) holds both FSDP ranks (pack); its raylet and workers are
     SIGKILLed in step 2: the recovery re-creates the pool on the head and "second" (one rank
     each) and the run ends with the weights of the run without a fault. A pool pinned to
     `third` loses its only node: the re-creation is refused in one line naming it."""
     from hybrid_engine.pool import cluster as ray_cluster
 
-    base = ["trainer.backend=ray", "actor.layout.dp=2", "trainer.total_training_steps=2",
-            "trainer.save_freq=1", "tracking.enabled=false", "rollout.micro_batch_size=8",
-            "pipeline.recovery_delay_s=0", f"storage.root={tmp_path}/runs",
-            "storage.shared_filesystem=true", "ray.call_timeout_s=120", SIGNAL]  # fmt: skip
-    env = {**PRISTINE_ENV, **cluster["env"], "PYTHONPATH": str(ROOT / "tests"),
-           "PREFECT_API_URL": prefect_api}  # fmt: skip
+    base = [
+        "trainer.backend=ray",
+        "actor.layout.dp=2",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=1",
+        "tracking.enabled=false",
+        "rollout.micro_batch_size=8",
+        "pipeline.recovery_delay_s=0",
+        f"storage.root={tmp_path}/runs",
+        "storage.shared_filesystem=true",
+        "ray.call_timeout_s=120",
+        SIGNAL,
+    ]
+    env = {
+        **PRISTINE_ENV,
+        **cluster["env"],
+        "PYTHONPATH": str(ROOT / "tests"),
+        "PREFECT_API_URL": prefect_api,
+    }
 
     def run_losing_third(run_id: str, *extra: str) -> subprocess.CompletedProcess:
         ray_cluster.add_local_node("third", 2, {"third": 2})
@@ -172,8 +205,12 @@ def test_a_lost_node_is_a_fault_the_run_recovers_from_or_refuses_in_one_line(clu
     moved = run_losing_third("moved", "ray.pool_name=moved", "ray.placement=pack")
     assert moved.returncode == 0, moved.stdout
     assert "recovery 1/" in moved.stdout and "pool 'moved' re-created" in moved.stdout
-    ref, _ = train(load_config("configs/grpo_tiny.yaml", [
-        SIGNAL, "trainer.total_training_steps=2", "rollout.micro_batch_size=8"]))  # fmt: skip
+    ref, _ = train(
+        load_config(
+            "configs/grpo_tiny.yaml",
+            [SIGNAL, "trainer.total_training_steps=2", "rollout.micro_batch_size=8"],
+        )
+    )
     from safetensors.torch import load_file
 
     final = load_file(tmp_path / "runs/moved/final/model.safetensors")

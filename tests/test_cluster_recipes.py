@@ -56,8 +56,12 @@ def k8s_valid(doc: dict) -> None:
 
 def as_pod_template(template: dict, name: str) -> dict:
     """A pod template (PodTemplateSpec) as the core/v1 object that holds one."""
-    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
-            "template": template}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "PodTemplate",
+        "metadata": {"name": name},
+        "template": template,
+    }
 
 
 def group_templates(cluster: dict) -> list[tuple[str, dict]]:
@@ -95,8 +99,9 @@ def test_raycluster_pod_templates_match_the_api_schema(path):
 def test_a_misspelled_field_fails_the_kubernetes_schema():
     """The validation can fail: a misspelled field, at the top of a spec or deep in a
     container, is an error, not a field silently ignored."""
-    deployment = next(d for d in documents(CLUSTER / "k8s" / "mlflow.yaml")
-                      if d["kind"] == "Deployment")  # fmt: skip
+    deployment = next(
+        d for d in documents(CLUSTER / "k8s" / "mlflow.yaml") if d["kind"] == "Deployment"
+    )
     k8s_valid(deployment)
     top = copy.deepcopy(deployment)
     top["spec"]["replica"] = top["spec"].pop("replicas")
@@ -125,8 +130,11 @@ def closed(schema: dict) -> dict:
     if not isinstance(schema, dict):
         return schema
     out = {k: closed(v) for k, v in schema.items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):  # fmt: skip
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -145,8 +153,10 @@ def raycluster_validator(crd_schema):
 def test_rayclusters_match_kuberays_crd(path, raycluster_validator):
     (cluster,) = documents(path)
     assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in raycluster_validator.iter_errors(cluster)]  # fmt: skip
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in raycluster_validator.iter_errors(cluster)
+    ]
     assert not errors, errors
 
 
@@ -248,8 +258,11 @@ def rendered_job(job_variables: dict) -> dict:
     from prefect.client.schemas.objects import FlowRun
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(
-        base_job_template(), job_variables, client=NoServer()))  # fmt: skip
+    config = asyncio.run(
+        KubernetesWorkerJobConfiguration.from_template_and_values(
+            base_job_template(), job_variables, client=NoServer()
+        )
+    )
     run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="brave-otter")
     config.prepare_for_flow_run(flow_run=run)
     return config.job_manifest
@@ -283,8 +296,10 @@ def test_each_deployment_renders_a_valid_job(name):
 
     (container,) = pod["containers"]
     assert container["image"] == job_variables["image"]
-    assert container["command"] == ["bash", f"{IMAGE_HOME}/deployments/cluster/prefect/"
-                                    "join-ray-and-run.sh"]  # fmt: skip
+    assert container["command"] == [
+        "bash",
+        f"{IMAGE_HOME}/deployments/cluster/prefect/join-ray-and-run.sh",
+    ]
     assert (ROOT / container["command"][1].removeprefix(f"{IMAGE_HOME}/")).is_file()
     # the engine itself, so the kubelet's SIGTERM reaches the flow (the variable the worker
     # adds, PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR, is read by `prefect flow-run execute`)
@@ -349,8 +364,7 @@ def test_each_training_fits_its_raycluster(name):
     d = deployment(name)
     jv = d["work_pool"]["job_variables"]
     host, port = jv["env"]["RAY_ADDRESS"].split(":")
-    clusters = {f"{c['metadata']['name']}-head-svc": c for p in RAYCLUSTERS
-                for c in documents(p)}  # fmt: skip
+    clusters = {f"{c['metadata']['name']}-head-svc": c for p in RAYCLUSTERS for c in documents(p)}
     cluster = clusters[host]
     assert port == "6379" and cluster["metadata"]["namespace"] == jv["namespace"]
     images = {c["image"] for _, t in group_templates(cluster) for c in t["spec"]["containers"]}
@@ -358,8 +372,11 @@ def test_each_training_fits_its_raycluster(name):
     cfg = load_config(ROOT / d["parameters"]["config"], d["parameters"]["overrides"])
     assert cfg.trainer.backend == "ray" and cfg.trainer.num_threads == cfg.ray.num_cpus_per_rank
     # the pool's own placement check, on the nodes the worker groups' pods make
-    nodes = [{"resources": start_params(group)} for group in cluster["spec"]["workerGroupSpecs"]
-             for _ in range(group["replicas"])]  # fmt: skip
+    nodes = [
+        {"resources": start_params(group)}
+        for group in cluster["spec"]["workerGroupSpecs"]
+        for _ in range(group["replicas"])
+    ]
     want = placement.bundle(cfg, "actor")
     assert placement.never_fits(cfg.ray.placement, cfg.actor.layout.dp, want, nodes) is None
 
@@ -379,8 +396,10 @@ def test_mlflow_server_matches_the_tracking_uri():
     assert args["artifacts-destination"].startswith("s3://")
     service = docs["Service"]
     (port,) = service["spec"]["ports"]
-    uris = {d["work_pool"]["job_variables"]["env"]["HYBRIDRL_TRACKING__URI"]
-            for d in prefect_yaml()["deployments"]}  # fmt: skip
+    uris = {
+        d["work_pool"]["job_variables"]["env"]["HYBRIDRL_TRACKING__URI"]
+        for d in prefect_yaml()["deployments"]
+    }
     assert uris == {f"http://{service['metadata']['name']}:{port['port']}"}
     host = f"{service['metadata']['name']}:{port['port']}"
     assert host in args["allowed-hosts"].split(",")
@@ -413,8 +432,12 @@ SCRIPTS = [CLUSTER / "slurm" / "hybridrl.sbatch", CLUSTER / "prefect" / "join-ra
 def test_scripts_parse_and_pass_shellcheck(path):
     p = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([str(BIN / "shellcheck"), "--shell=bash", str(path)],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [str(BIN / "shellcheck"), "--shell=bash", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout
 
 
@@ -432,8 +455,12 @@ def test_job_entry_point_forwards_sigterm_and_returns_the_status(tmp_path):
         "time.sleep(30)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    wrapper = subprocess.Popen(["bash", str(SCRIPTS[1]), sys.executable, str(child)], env=env,
-                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    wrapper = subprocess.Popen(
+        ["bash", str(SCRIPTS[1]), sys.executable, str(child)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert wrapper.stdout.readline().strip() == "up"
     time.sleep(0.2)
     wrapper.send_signal(signal.SIGTERM)

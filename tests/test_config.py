@@ -121,8 +121,11 @@ def test_the_reference_is_generated_from_the_model_with_a_meaning_for_every_key(
     keys = [r[0].strip("| `") for r in rows]
     assert sorted(keys) == sorted(flatten(HybridConfig())), "every key, once"
     assert all(r[3].strip(" |") for r in rows)
-    names = {r.split(" | ")[0].strip("| `") for r in registries_reference().splitlines()
-             if r.startswith("| `")}  # fmt: skip
+    names = {
+        r.split(" | ")[0].strip("| `")
+        for r in registries_reference().splitlines()
+        if r.startswith("| `")
+    }
 
     registered = set().union(*(set(r) for r in REGISTRIES))
     assert names == registered, "the registries, read not typed"
@@ -134,11 +137,17 @@ def test_the_reference_is_generated_from_the_model_with_a_meaning_for_every_key(
         ("actor.optim.lr=.inf", r"actor.optim.lr=inf: Input should be a finite number"),
         ("algorithm.gamma=.nan", r"algorithm.gamma=nan"),
         ("rollout.val.max_new_tokens=-5", r"rollout.val.max_new_tokens=-5"),
-        ("trainer.seed=!!python/object/apply:os.system [ls]", r"override trainer.seed: the value is not plain YAML"),
+        (
+            "trainer.seed=!!python/object/apply:os.system [ls]",
+            r"override trainer.seed: the value is not plain YAML",
+        ),
         ("tracking.api_token=abc123", r"unknown key 'tracking.api_token' \(value hidden\)"),
-        ("reward.function=raises_on_import:f", r"reward.function='raises_on_import:f': importing module 'raises_on_import' raised ZeroDivisionError"),
+        (
+            "reward.function=raises_on_import:f",
+            r"reward.function='raises_on_import:f': importing module 'raises_on_import' raised ZeroDivisionError",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_values_get_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config("configs/grpo_tiny.yaml", [override])

@@ -24,8 +24,7 @@ MASK = T([[1, 1, 1, 0], [1, 1, 0, 0]])
 def test_token_weights_truncated_or_icepop_and_zero_off_the_mask():
     close(rollout_is_weights(LOG_RATIO, MASK, "token", 2.0), [[2.0, 0.5, 1.5, 0], [1.2, 1, 0, 0]])
     # IcePop keeps [0.6, 2.0] and zeroes the rest (3 and 0.5)
-    close(rollout_is_weights(LOG_RATIO, MASK, "token", "0.6_2.0"),
-          [[0, 0, 1.5, 0], [1.2, 1, 0, 0]])  # fmt: skip
+    close(rollout_is_weights(LOG_RATIO, MASK, "token", "0.6_2.0"), [[0, 0, 1.5, 0], [1.2, 1, 0, 0]])
     # batch normalised: TIS weights [2, 0.5, 1.5, 1.2, 1] have mean 1.24
     w = rollout_is_weights(LOG_RATIO, MASK, "token", 2.0, batch_normalize=True)
     close(w, [[2 / 1.24, 0.5 / 1.24, 1.5 / 1.24, 0], [1.2 / 1.24, 1 / 1.24, 0, 0]])
@@ -36,8 +35,10 @@ def test_sequence_weights_are_the_product_of_token_ratios():
     # row 0: 3 * 0.5 * 1.5 = 2.25 -> truncated to 2; row 1: 1.2 * 1 = 1.2
     close(rollout_is_weights(LOG_RATIO, MASK, "sequence", 2.0), [[2, 2, 2, 0], [1.2, 1.2, 0, 0]])
     # threshold 3 keeps 2.25; batch-normalised over sequences: mean of (2.25, 1.2) = 1.725
-    close(rollout_is_weights(LOG_RATIO, MASK, "sequence", 3.0, batch_normalize=True),
-          [[2.25 / 1.725] * 3 + [0], [1.2 / 1.725] * 2 + [0, 0]])  # fmt: skip
+    close(
+        rollout_is_weights(LOG_RATIO, MASK, "sequence", 3.0, batch_normalize=True),
+        [[2.25 / 1.725] * 3 + [0], [1.2 / 1.725] * 2 + [0, 0]],
+    )
     with pytest.raises(ValueError, match="unknown IS level 'geometric'"):
         rollout_is_weights(LOG_RATIO, MASK, "geometric")
 
@@ -54,15 +55,18 @@ def test_rejection_token_and_sequence_modes():
     close(rejection_mask(LOG_RATIO, MASK, "seq_mean_k3", 0.3), [[0, 0, 0, 0], [1, 1, 0, 0]])
     close(rejection_mask(LOG_RATIO, MASK, "seq_mean_k3", 0.4), MASK.tolist())
     # several modes: every one must pass
-    close(rejection_mask(LOG_RATIO, MASK, "token_k1,seq_sum_k2", "0.5_2.0,0.05"),
-          [[0, 0, 0, 0], [1, 1, 0, 0]])  # fmt: skip
+    close(
+        rejection_mask(LOG_RATIO, MASK, "token_k1,seq_sum_k2", "0.5_2.0,0.05"),
+        [[0, 0, 0, 0], [1, 1, 0, 0]],
+    )
     assert rejection_mask(LOG_RATIO, MASK.long()).dtype == torch.long
 
 
 def test_rejection_specs_are_checked_by_name():
     assert parse_rejection("token_k1,seq_max_k3", "0.5_2.0,0.4") == {
-        "token_k1": (0.5, 2.0), "seq_max_k3": (None, 0.4)
-    }  # fmt: skip
+        "token_k1": (0.5, 2.0),
+        "seq_max_k3": (None, 0.4),
+    }
     with pytest.raises(ValueError, match="unknown rejection mode 'seq_max_k1'"):
         parse_rejection("seq_max_k1", 2.0)
     with pytest.raises(

@@ -9,8 +9,15 @@ from hybrid_engine.data import PromptData, file_rows, prompt_batch
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 
-TASK = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
-        "allow_parentheses": False, "allow_negation": False}  # fmt: skip
+TASK = {
+    "min_terms": 2,
+    "max_terms": 2,
+    "min_digits": 1,
+    "max_digits": 1,
+    "operators": ["+"],
+    "allow_parentheses": False,
+    "allow_negation": False,
+}
 
 
 def test_step_rows_deterministic_and_cover_an_epoch():
@@ -37,8 +44,12 @@ def test_bad_task_config_is_named():
 
 
 def test_file_rows_parquet_jsonl_and_errors(tmp_path):
-    row = {"prompt": [{"role": "user", "content": "1+1?"}], "data_source": "toy",
-           "reward_model": {"ground_truth": "2"}, "extra_info": {"i": 0}}  # fmt: skip
+    row = {
+        "prompt": [{"role": "user", "content": "1+1?"}],
+        "data_source": "toy",
+        "reward_model": {"ground_truth": "2"},
+        "extra_info": {"i": 0},
+    }
     pq.write_table(pa.Table.from_pylist([row]), tmp_path / "a.parquet")
     assert file_rows(str(tmp_path / "a.parquet"))[0]["reward_model"]["ground_truth"] == "2"
     (tmp_path / "b.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({"prompt": []}) + "\n")
@@ -53,11 +64,19 @@ def test_file_rows_parquet_jsonl_and_errors(tmp_path):
 
 def test_prompt_batch_left_pads_and_checks_length(tokenizer):
     rows = [
-        {"prompt": [{"role": "user", "content": "1+1?"}], "data_source": "t",
-         "reward_model": {"ground_truth": "2"}, "extra_info": {}},
-        {"prompt": [{"role": "user", "content": "a much longer question about 1+2?"}],
-         "data_source": "t", "reward_model": {"ground_truth": "3"}, "extra_info": {}},
-    ]  # fmt: skip
+        {
+            "prompt": [{"role": "user", "content": "1+1?"}],
+            "data_source": "t",
+            "reward_model": {"ground_truth": "2"},
+            "extra_info": {},
+        },
+        {
+            "prompt": [{"role": "user", "content": "a much longer question about 1+2?"}],
+            "data_source": "t",
+            "reward_model": {"ground_truth": "3"},
+            "extra_info": {},
+        },
+    ]
     b = prompt_batch(rows, tokenizer, 256)
     ids, mask = b["prompt_ids"], b["prompt_mask"]
     assert mask[0, 0] == 0 and mask[1].all() and mask[:, -1].all()  # left padding

@@ -20,8 +20,14 @@ BIN = Path(sys.executable).parent
 
 
 def hybridrl(*args, env):
-    return subprocess.run([str(BIN / "hybridrl"), *args], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [str(BIN / "hybridrl"), *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
 
 
 def test_deploy_refuses_what_cannot_work(tmp_path, prefect_api):
@@ -43,13 +49,23 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
     from servers import start_mlflow, stop
 
     mlflow_proc, mlflow_url = start_mlflow(tmp_path)
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "HYBRIDRL_HOME": str(ROOT),
-           "PYTHONPATH": str(ROOT / "tests")}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,
+        "HYBRIDRL_HOME": str(ROOT),
+        "PYTHONPATH": str(ROOT / "tests"),
+    }
     env.pop("HYBRIDRL_FAULT", None)
 
     def prefect(*args, timeout=300, check=True):
-        p = subprocess.run([str(BIN / "prefect"), *args], cwd=ROOT, env=env, text=True,
-                           capture_output=True, timeout=timeout)  # fmt: skip
+        p = subprocess.run(
+            [str(BIN / "prefect"), *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         assert p.returncode == 0 or not check, p.stdout + p.stderr
         return p.stdout + p.stderr
 
@@ -67,19 +83,39 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         # the resumed run gets the deployment's parameters: storage and tracking come from
         # the worker's environment, as on a real worker machine
         # the worker asks for scheduled runs every second (Prefect's default: every 10 s)
-        worker_env = {**env, "HYBRIDRL_STORAGE__ROOT": f"{tmp_path}/runs",
-                      "HYBRIDRL_TRACKING__URI": mlflow_url,
-                      "PREFECT_WORKER_QUERY_SECONDS": "1"}  # fmt: skip
-        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "hybridrl",
-                                   "--type", "process"], cwd=tmp_path, env=worker_env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)  # fmt: skip
-        overrides = ["trainer.total_training_steps=2", f"storage.root={tmp_path}/runs",
-                     f"tracking.uri={mlflow_url}", "reward.function=reward_fns:length_score",
-                     "registry.min_format_rate=0", "registry.max_clip_ratio=1"]  # fmt: skip
-        out = prefect("deployment", "run", "train/grpo-tiny-nightly", "--param",
-                      f"overrides={json.dumps(overrides)}", "--param", "run_id=scheduled-1",
-                      "--watch", timeout=600)  # fmt: skip
+        worker_env = {
+            **env,
+            "HYBRIDRL_STORAGE__ROOT": f"{tmp_path}/runs",
+            "HYBRIDRL_TRACKING__URI": mlflow_url,
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+        }
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "hybridrl", "--type", "process"],
+            cwd=tmp_path,
+            env=worker_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        overrides = [
+            "trainer.total_training_steps=2",
+            f"storage.root={tmp_path}/runs",
+            f"tracking.uri={mlflow_url}",
+            "reward.function=reward_fns:length_score",
+            "registry.min_format_rate=0",
+            "registry.max_clip_ratio=1",
+        ]
+        out = prefect(
+            "deployment",
+            "run",
+            "train/grpo-tiny-nightly",
+            "--param",
+            f"overrides={json.dumps(overrides)}",
+            "--param",
+            "run_id=scheduled-1",
+            "--watch",
+            timeout=600,
+        )
         assert "Completed" in out, out
         assert (tmp_path / "runs/scheduled-1/final/COMMITTED").is_file()
 
@@ -87,10 +123,14 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
             f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=hybridrl"
         )
         exp_id = json.loads(urllib.request.urlopen(req).read())["experiment"]["experiment_id"]
-        body = json.dumps({"experiment_ids": [exp_id],
-                           "filter": "tags.`hybridrl.run_id` = 'scheduled-1'"}).encode()  # fmt: skip
-        req = urllib.request.Request(f"{mlflow_url}/api/2.0/mlflow/runs/search", data=body,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        body = json.dumps(
+            {"experiment_ids": [exp_id], "filter": "tags.`hybridrl.run_id` = 'scheduled-1'"}
+        ).encode()
+        req = urllib.request.Request(
+            f"{mlflow_url}/api/2.0/mlflow/runs/search",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         (run,) = json.loads(urllib.request.urlopen(req).read())["runs"]
         assert run["info"]["status"] == "FINISHED"
         metrics = {m["key"]: m for m in run["data"]["metrics"]}
@@ -102,30 +142,53 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         # the finished run's event -> the automation -> the evaluate deployment's flow run
         states = wait_for_states(prefect_api, "eval-hybridrl-policy-1", "Completed", 600)
         assert "Completed" in states, states
-        req = urllib.request.Request(f"{mlflow_url}/api/2.0/mlflow/registered-models/alias"
-                                     "?name=hybridrl-policy&alias=champion")  # fmt: skip
+        req = urllib.request.Request(
+            f"{mlflow_url}/api/2.0/mlflow/registered-models/alias"
+            "?name=hybridrl-policy&alias=champion"
+        )
         version = json.loads(urllib.request.urlopen(req).read())["model_version"]
         assert version["version"] == "1"
         version_tags = {t["key"]: t["value"] for t in version["tags"]}
         assert version_tags["hybridrl.run_id"] == "scheduled-1"
         assert version_tags["hybridrl.promotion"].startswith("champion: accuracy")
         assert "eval.accuracy" in version_tags and "eval.maj_at_4" in version_tags
-        body = json.dumps({"filter": {"event": {"prefix": ["hybridrl."]},
-                                      "resource": {"id": ["hybridrl.run.scheduled-1"]}},
-                           "limit": 50}).encode()  # fmt: skip
-        req = urllib.request.Request(f"{prefect_api}/events/filter", data=body,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        body = json.dumps(
+            {
+                "filter": {
+                    "event": {"prefix": ["hybridrl."]},
+                    "resource": {"id": ["hybridrl.run.scheduled-1"]},
+                },
+                "limit": 50,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"{prefect_api}/events/filter", data=body, headers={"Content-Type": "application/json"}
+        )
         events = json.loads(urllib.request.urlopen(req).read())["events"]
-        got = sorted((e["event"], e["payload"].get("step") or e["payload"].get("model"))
-                     for e in events)  # fmt: skip
-        assert got == [("hybridrl.checkpoint.committed", 2),
-                       ("hybridrl.run.finished", "hybridrl-policy/1")], got  # fmt: skip
+        got = sorted(
+            (e["event"], e["payload"].get("step") or e["payload"].get("model")) for e in events
+        )
+        assert got == [
+            ("hybridrl.checkpoint.committed", 2),
+            ("hybridrl.run.finished", "hybridrl-policy/1"),
+        ], got
 
         # preempted in step 2's reward stage (the fault is this flow run's own environment)
         fault = json.dumps({"HYBRIDRL_FAULT": "step-2/reward:start=term"})
-        out = prefect("deployment", "run", "train/grpo-tiny-nightly", "--param",
-                      f"overrides={json.dumps(overrides)}", "--param", "run_id=preempted-1",
-                      "--job-variable", f"env={fault}", "--watch", timeout=600, check=False)  # fmt: skip
+        out = prefect(
+            "deployment",
+            "run",
+            "train/grpo-tiny-nightly",
+            "--param",
+            f"overrides={json.dumps(overrides)}",
+            "--param",
+            "run_id=preempted-1",
+            "--job-variable",
+            f"env={fault}",
+            "--watch",
+            timeout=600,
+            check=False,
+        )
         assert "Preempted" in out, out
         states = wait_for_states(prefect_api, "preempted-1", "Completed", 600)
         assert sorted(states) == ["Completed", "Preempted"], states
@@ -146,8 +209,9 @@ def wait_for_states(api: str, name: str, final: str, timeout_s: float) -> list[s
     deadline = time.monotonic() + timeout_s
     body = json.dumps({"flow_runs": {"name": {"any_": [name]}}}).encode()
     while True:
-        req = urllib.request.Request(f"{api}/flow_runs/filter", data=body,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"}
+        )
         states = [r["state"]["name"] for r in json.loads(urllib.request.urlopen(req).read())]
         if final in states or time.monotonic() > deadline:
             return states

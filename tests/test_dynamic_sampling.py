@@ -59,13 +59,19 @@ def test_generation_batches_of_different_widths_concatenate():
 
 
 def test_the_limit_fails_by_default_or_fills_the_batch():
-    solved = ["reward.function=reward_fns:always_one", "algorithm.filter_groups.enabled=true",
-              "algorithm.filter_groups.max_num_gen_batches=2"]  # fmt: skip
+    solved = [
+        "reward.function=reward_fns:always_one",
+        "algorithm.filter_groups.enabled=true",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+    ]
     engine = Engine(load_config("configs/grpo_tiny.yaml", solved))
     with pytest.raises(DynamicSamplingExhausted, match="2 generation batches.*0 of the 4"):
         engine.sample(1)
-    engine = Engine(load_config("configs/grpo_tiny.yaml",
-                                [*solved, "algorithm.filter_groups.on_exhausted=train"]))  # fmt: skip
+    engine = Engine(
+        load_config(
+            "configs/grpo_tiny.yaml", [*solved, "algorithm.filter_groups.on_exhausted=train"]
+        )
+    )
     batch = engine.sample(1)
     assert len(batch) == 16 and batch.meta["gen_batches"] == [1, 2]
     assert batch.meta["metrics"]["dynamic_sampling/kept_groups"] == 0
@@ -76,5 +82,12 @@ def test_filtering_needs_groups():
     from hybrid_engine.config import ConfigError
 
     with pytest.raises(ConfigError, match="filter_groups.*rollout.n >= 2"):
-        load_config("configs/grpo_tiny.yaml", [*ON, "rollout.n=1", "actor.ppo_mini_batch_size=4",
-                                               "algorithm.adv_estimator=reinforce_plus_plus"])  # fmt: skip
+        load_config(
+            "configs/grpo_tiny.yaml",
+            [
+                *ON,
+                "rollout.n=1",
+                "actor.ppo_mini_batch_size=4",
+                "algorithm.adv_estimator=reinforce_plus_plus",
+            ],
+        )

@@ -36,8 +36,15 @@ def test_grpo_step_updates_every_parameter():
     result = engine.update(batch)
     assert_all_changed(before, params(engine.actor.policy))
     m = result.meta["metrics"]
-    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean",
-                "response_length/mean", "timing_s/gen", "timing_s/update_actor"):  # fmt: skip
+    for key in (
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/score/mean",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/update_actor",
+    ):
         assert math.isfinite(m[key]), key
     assert engine.actor.weights_version == 1 and engine.actor.ref is None
 
@@ -52,8 +59,15 @@ def test_ppo_step_updates_actor_and_critic_and_leaves_reference():
     assert_all_changed(critic, params(engine.critic.model))
     assert all(torch.equal(ref[k], v) for k, v in params(engine.actor.ref).items())
     assert not any(p.requires_grad for p in engine.actor.ref.parameters())
-    for key in ("critic/vf_loss", "actor/kl_loss", "timing_s/values", "timing_s/ref",
-                "timing_s/old_log_prob", "perf/throughput", "perf/peak_rss_gb"):  # fmt: skip
+    for key in (
+        "critic/vf_loss",
+        "actor/kl_loss",
+        "timing_s/values",
+        "timing_s/ref",
+        "timing_s/old_log_prob",
+        "perf/throughput",
+        "perf/peak_rss_gb",
+    ):
         assert math.isfinite(metrics[key]), key
 
 
@@ -113,10 +127,15 @@ def test_other_estimators_run_a_step(estimator):
 def test_kl_in_reward_with_adaptive_controller():
     cfg = load_config(
         "configs/grpo_tiny.yaml",
-        [SIGNAL, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-         "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.01",
-         "algorithm.kl_penalty=low_var_kl"],
-    )  # fmt: skip
+        [
+            SIGNAL,
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.1",
+            "algorithm.kl_ctrl.target_kl=0.01",
+            "algorithm.kl_penalty=low_var_kl",
+        ],
+    )
     engine = Engine(cfg)
     assert engine.actor.ref is not None and not engine.on_policy_single_update
     m1 = engine.step(1)

@@ -87,8 +87,12 @@ def test_needs_come_from_the_registered_signature():
 
     try:
         assert estimator_needs("_test_critic_baseline") == {"values"}
-        adv, _ = compute_advantage("_test_critic_baseline", token_level_rewards=T([[1.0, 2.0]]),
-                                   response_mask=T([[1, 0]]), values=T([[0.25, 0.0]]))  # fmt: skip
+        adv, _ = compute_advantage(
+            "_test_critic_baseline",
+            token_level_rewards=T([[1.0, 2.0]]),
+            response_mask=T([[1, 0]]),
+            values=T([[0.25, 0.0]]),
+        )
         close(adv, [[0.75, 0.0]])
     finally:
         ADV_ESTIMATORS.unregister("_test_critic_baseline")

@@ -21,8 +21,10 @@ from storage.store import RunStore
 
 
 def fork(root: str, parent: str, at: str, run_id: str, prefect_api: str, *overrides: str):
-    return driver(["fork", parent, "--at", at, "--run-id", run_id, f"storage.root={root}",
-                   *overrides], prefect_api)  # fmt: skip
+    return driver(
+        ["fork", parent, "--at", at, "--run-id", run_id, f"storage.root={root}", *overrides],
+        prefect_api,
+    )
 
 
 def own_stage_dirs(root: str, run_id: str) -> set[str]:
@@ -52,8 +54,15 @@ def test_a_fork_reads_its_parents_objects_and_computes_the_rest_with_its_overrid
     reference_run, prefect_api
 ):
     root, (ref_weights, _) = reference_run
-    rc, out = fork(root, "ref", "3/advantage", "rloo", prefect_api, "algorithm.adv_estimator=rloo",
-                   "actor.optim.lr=2e-3")  # fmt: skip
+    rc, out = fork(
+        root,
+        "ref",
+        "3/advantage",
+        "rloo",
+        prefect_api,
+        "algorithm.adv_estimator=rloo",
+        "actor.optim.lr=2e-3",
+    )
     assert rc == 0, out
     assert "a fork of ref at 3/advantage" in out
     storage = StorageConfig(root=root)
@@ -79,8 +88,9 @@ def test_what_a_fork_may_change_depends_on_its_stage():
     base = load_config("configs/grpo_tiny.yaml")
 
     def refused(at: str, *overrides: str) -> list[str]:
-        got = refused_fork_changes(base, load_config("configs/grpo_tiny.yaml", list(overrides)),
-                                   ForkPoint.parse(at))  # fmt: skip
+        got = refused_fork_changes(
+            base, load_config("configs/grpo_tiny.yaml", list(overrides)), ForkPoint.parse(at)
+        )
         return [r.split(" ")[0].split("=")[0] for r in got]
 
     assert refused("3/advantage", "algorithm.adv_estimator=rloo", "actor.optim.lr=1e-3") == []
@@ -92,7 +102,9 @@ def test_what_a_fork_may_change_depends_on_its_stage():
     assert refused("3/rollout", "rollout.temperature=0.5", "rollout.n=4") == []
     for at in ("3/rollout", "3/update"):  # what every step reads
         assert refused(at, "data.train_batch_size=2", "trainer.seed=7") == [
-            "data.train_batch_size", "trainer.seed"]  # fmt: skip
+            "data.train_batch_size",
+            "trainer.seed",
+        ]
     gae = ("algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=16")
     assert refused("3/rollout", *gae) == ["algorithm.adv_estimator"]
     assert refused("3/reward", "algorithm.adv_estimator=remax") == ["algorithm.adv_estimator"]
@@ -103,13 +115,17 @@ def test_what_a_fork_may_change_depends_on_its_stage():
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["3/advantage", "rollout.temperature=0.5"], "cannot change rollout.temperature (step 3's rollout"),
+        (
+            ["3/advantage", "rollout.temperature=0.5"],
+            "cannot change rollout.temperature (step 3's rollout",
+        ),
         (["9/rollout"], "its stage 5/rollout is not committed"),
         (["3/loss"], "STAGE one of rollout, reward, advantage, update"),
     ],
-)  # fmt: skip
-def test_a_refused_fork_fails_in_one_line_before_anything_is_written(args, needle, reference_run,
-                                                                     prefect_api):  # fmt: skip
+)
+def test_a_refused_fork_fails_in_one_line_before_anything_is_written(
+    args, needle, reference_run, prefect_api
+):
     root, _ = reference_run
     rc, out = fork(root, "ref", args[0], "refused", prefect_api, *args[1:])
     assert rc == 1 and needle in out, out
@@ -122,9 +138,19 @@ def test_deleting_a_parent_keeps_what_its_fork_uses_and_the_last_fork_takes_it(
 ):
     root = str(tmp_path)
     args = [a for a in ARGS if not a.startswith("trainer.total_training_steps")]
-    rc, out = driver(["train", "configs/grpo_tiny.yaml", *args, "trainer.total_training_steps=2",
-                      "trainer.save_freq=1", f"storage.root={root}", "--run-id", "p"],
-                     prefect_api)  # fmt: skip
+    rc, out = driver(
+        [
+            "train",
+            "configs/grpo_tiny.yaml",
+            *args,
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            f"storage.root={root}",
+            "--run-id",
+            "p",
+        ],
+        prefect_api,
+    )
     assert rc == 0, out
     rc, out = fork(root, "p", "2/advantage", "f", prefect_api, "actor.optim.lr=2e-3")
     assert rc == 0, out
@@ -137,18 +163,24 @@ def test_deleting_a_parent_keeps_what_its_fork_uses_and_the_last_fork_takes_it(
     rc, out = driver([*cli, "p"], prefect_api)
     assert rc == 0 and "that forks f use" in out, out
     kept = sorted(p.split("/p/")[1] for p in fs_for(root, None).glob(f"{p_run}/**/COMMITTED"))
-    assert kept == ["checkpoints/step_1/COMMITTED", "steps/0/validate/COMMITTED",
-                    "steps/1/advantage/COMMITTED",
-                    "steps/1/reward/COMMITTED", "steps/1/rollout/COMMITTED",
-                    "steps/1/update/COMMITTED", "steps/2/reward/COMMITTED",
-                    "steps/2/rollout/COMMITTED"]  # fmt: skip
+    assert kept == [
+        "checkpoints/step_1/COMMITTED",
+        "steps/0/validate/COMMITTED",
+        "steps/1/advantage/COMMITTED",
+        "steps/1/reward/COMMITTED",
+        "steps/1/rollout/COMMITTED",
+        "steps/1/update/COMMITTED",
+        "steps/2/reward/COMMITTED",
+        "steps/2/rollout/COMMITTED",
+    ]
     assert not fs_for(root, None).exists(f"{p_run}/final")
     child = RunStore(storage, "f")
     assert child.load_stage(2, "rollout").batch.to_bytes() is not None
     assert fs.cat_file(f"{p_run}/steps/2/rollout/batch.safetensors") == rollout_2
     # the fork goes on through its deleted parent's kept objects; the parent cannot
-    rc, out = driver(["resume", "f", f"storage.root={root}", "trainer.total_training_steps=3"],
-                     prefect_api)  # fmt: skip
+    rc, out = driver(
+        ["resume", "f", f"storage.root={root}", "trainer.total_training_steps=3"], prefect_api
+    )
     assert rc == 0, out
     rc, out = driver(["resume", "p", f"storage.root={root}"], prefect_api)
     assert rc == 1 and "was deleted" in out, out

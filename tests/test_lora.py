@@ -43,8 +43,9 @@ def test_only_adapters_train_and_the_frozen_base_is_the_reference():
     assert changed == {k for k in trainable if ".lora_A." in k or ".lora_B." in k}
     # B starts at zero, so the first step moved B; the reference stays the base afterwards
     again = engine.advantage(engine.reward(engine.rollout(2)))
-    want2, _ = response_log_probs(base, again["input_ids"], again["attention_mask"],
-                                  again["response_mask"].shape[1])  # fmt: skip
+    want2, _ = response_log_probs(
+        base, again["input_ids"], again["attention_mask"], again["response_mask"].shape[1]
+    )
     m2 = again["response_mask"].bool()
     torch.testing.assert_close(again["ref_log_prob"][m2], want2[m2], atol=1e-5, rtol=0)
     assert not torch.allclose(again["old_log_probs"][m2], again["ref_log_prob"][m2])
@@ -78,9 +79,10 @@ def test_export_merges_the_adapters_and_writes_peft_files(tmp_path):
     merged, _ = response_log_probs(model, batch["input_ids"], batch["attention_mask"], n)
     torch.testing.assert_close(merged, live, atol=1e-5, rtol=0)
     lora = engine.cfg.actor.lora
-    adapter_files(str(tmp_path), state, lora_config(lora))  # fmt: skip
+    adapter_files(str(tmp_path), state, lora_config(lora))
     base = load_policy(engine.cfg.model, engine.tokenizer, engine.cfg.trainer.seed)
     peft_model = PeftModel.from_pretrained(base, str(tmp_path))
-    again, _ = response_log_probs(peft_model.base_model.model, batch["input_ids"],
-                                  batch["attention_mask"], n)  # fmt: skip
+    again, _ = response_log_probs(
+        peft_model.base_model.model, batch["input_ids"], batch["attention_mask"], n
+    )
     torch.testing.assert_close(again, live, atol=1e-5, rtol=0)

@@ -44,17 +44,31 @@ def rollout(engine, rows, greedy=False, **kw):
 
     def generate(batch, sampling):
         out = engine.actor.generate(batch, sampling)
-        seen.append([r[m.bool()].tolist() for r, m in zip(out["response_ids"],
-                                                          out["response_mask"], strict=True)])  # fmt: skip
+        seen.append(
+            [
+                r[m.bool()].tolist()
+                for r, m in zip(out["response_ids"], out["response_mask"], strict=True)
+            ]
+        )
         return out
 
     prompts = rows.take(list(range(len(rows))))
-    envs = [make_environment(kw.pop("environment", mt.environment), kw.pop("env_kwargs", {}))
-            for _ in range(len(prompts))]  # fmt: skip
+    envs = [
+        make_environment(kw.pop("environment", mt.environment), kw.pop("env_kwargs", {}))
+        for _ in range(len(prompts))
+    ]
     sampling = SamplingParams(8, 0.0 if greedy else 1.0, seed=7, log_probs=True)
     args = {"max_turns": mt.max_turns, "max_total_tokens": mt.max_total_tokens} | kw
-    batch = multi_turn_rollout(generate, engine.tokenizer, prompts, envs, sampling,
-                               args["max_turns"], args["max_total_tokens"], 256)  # fmt: skip
+    batch = multi_turn_rollout(
+        generate,
+        engine.tokenizer,
+        prompts,
+        envs,
+        sampling,
+        args["max_turns"],
+        args["max_total_tokens"],
+        256,
+    )
     return batch, seen
 
 
@@ -148,8 +162,9 @@ def test_packed_forward_respects_interior_zeros(engine, prompts):
     padded, ent = response_log_probs(
         model, batch["input_ids"], batch["attention_mask"], n, 1.0, True
     )
-    packed, ent_p = packed_response_log_probs(model, batch["input_ids"], batch["attention_mask"], n,
-                                              1.0, True)  # fmt: skip
+    packed, ent_p = packed_response_log_probs(
+        model, batch["input_ids"], batch["attention_mask"], n, 1.0, True
+    )
     seen = batch["attention_mask"][:, -n:].bool()
     torch.testing.assert_close(packed[seen], padded[seen], atol=2e-5, rtol=0)
     torch.testing.assert_close(ent_p[seen], ent[seen], atol=2e-5, rtol=0)
@@ -166,10 +181,15 @@ def test_env_rewards_scorer_fallback_and_per_turn_placement():
     from hybrid_engine.batch import Batch
 
     mask = T([[1, 1, 0, 1, 0], [1, 0, 0, 0, 0]], torch.long)
-    batch = Batch({"response_mask": mask}, {
-        "env_reward": [2.0, None], "turn_ends": [[1, 3], [0]], "turn_rewards": [[0.5, 2.0], [None]],
-        "success": [True, None],
-    })  # fmt: skip
+    batch = Batch(
+        {"response_mask": mask},
+        {
+            "env_reward": [2.0, None],
+            "turn_ends": [[1, 3], [0]],
+            "turn_rewards": [[0.5, 2.0], [None]],
+            "success": [True, None],
+        },
+    )
     scores, acc, tls = multi_turn_scores(batch, {1: 0.25}, per_turn=False)
     close(scores, [2.0, 0.25])
     close(acc, [1.0, 0.0])
@@ -180,8 +200,13 @@ def test_env_rewards_scorer_fallback_and_per_turn_placement():
 
 
 def test_engine_steps_learn_from_multi_turn_trajectories():
-    cfg = load_config(PRESET, ["rollout.multi_turn.environment=env_fns:TwoTurns",
-                               "reward.function=reward_fns:length_score"])  # fmt: skip
+    cfg = load_config(
+        PRESET,
+        [
+            "rollout.multi_turn.environment=env_fns:TwoTurns",
+            "reward.function=reward_fns:length_score",
+        ],
+    )
     engine = Engine(cfg)
     before = {k: v.clone() for k, v in engine.actor.policy.state_dict().items()}
     metrics = engine.step(1)
@@ -196,8 +221,12 @@ def test_engine_steps_learn_from_multi_turn_trajectories():
 @pytest.mark.fast
 def test_feedback_env_says_which_way_and_discounts():
     env = make_environment("feedback", {"turn_discount": 0.5})
-    row = {"prompt": [{"role": "user", "content": "2+2?"}], "data_source": "x",
-           "ground_truth": "4", "extra_info": {}}  # fmt: skip
+    row = {
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "data_source": "x",
+        "ground_truth": "4",
+        "extra_info": {},
+    }
     assert env.reset(row, 0) == row["prompt"]
     obs, reward, done, info = env.step("It is 5.")
     assert "too high" in obs[0]["content"] and reward == 0.0 and not done
@@ -207,11 +236,20 @@ def test_feedback_env_says_which_way_and_discounts():
 
 @pytest.mark.fast
 def test_tool_that_raises_hangs_or_floods_is_an_observation():
-    env = make_environment("tools", {"tools": ["env_fns:add", "env_fns:boom", "env_fns:hang",
-                                               "env_fns:huge"], "timeout_s": 1.0})  # fmt: skip
+    env = make_environment(
+        "tools",
+        {
+            "tools": ["env_fns:add", "env_fns:boom", "env_fns:hang", "env_fns:huge"],
+            "timeout_s": 1.0,
+        },
+    )
     env.protocol = "text"
-    row = {"prompt": [{"role": "user", "content": "q"}], "data_source": "x",
-           "ground_truth": "5", "extra_info": {}}  # fmt: skip
+    row = {
+        "prompt": [{"role": "user", "content": "q"}],
+        "data_source": "x",
+        "ground_truth": "5",
+        "extra_info": {},
+    }
     system = env.reset(row, 0)[0]
     assert system["role"] == "system" and '"name": "add"' in system["content"]
 
@@ -271,10 +309,16 @@ def test_config_names_the_environment_and_refuses_what_multi_turn_cannot_do():
 
 
 def test_dynamic_sampling_and_rollout_correction_take_trajectories():
-    cfg = load_config(PRESET, ["rollout.multi_turn.environment=env_fns:TwoTurns",
-                               "reward.function=reward_fns:length_score",
-                               "algorithm.filter_groups.enabled=true", "algorithm.filter_groups.metric=score",
-                               "algorithm.rollout_correction.level=token"])  # fmt: skip
+    cfg = load_config(
+        PRESET,
+        [
+            "rollout.multi_turn.environment=env_fns:TwoTurns",
+            "reward.function=reward_fns:length_score",
+            "algorithm.filter_groups.enabled=true",
+            "algorithm.filter_groups.metric=score",
+            "algorithm.rollout_correction.level=token",
+        ],
+    )
     metrics = Engine(cfg).step(1)
     assert metrics["dynamic_sampling/kept_groups"] >= cfg.data.train_batch_size
     assert metrics["multi_turn/turns/mean"] == 2.0
@@ -299,8 +343,9 @@ def test_a_template_that_takes_tools_renders_them_and_gets_tool_messages(engine,
     assert env.reset(row, 0) == row["prompt"]  # nothing added: the template shows the tools
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 21"}}</tool_call>'
     assert env.step(call).observation == [{"role": "tool", "content": "42"}]
-    batch = multi_turn_rollout(engine.actor.generate, tok, prompts.take([0]), [env],
-                               SamplingParams(8, 0.0), 2, 96, 512)  # fmt: skip
+    batch = multi_turn_rollout(
+        engine.actor.generate, tok, prompts.take([0]), [env], SamplingParams(8, 0.0), 2, 96, 512
+    )
     assert "TOOLS [{" in tok.decode(batch["prompt_ids"][0]) and '"calculator"' in tok.decode(
         batch["prompt_ids"][0]
     )

@@ -8,8 +8,11 @@ from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine
 from hybrid_engine.roles.updates import NonFiniteUpdate
 
-NAN = ["algorithm.plugins=[plugin_nan]", "actor.policy_loss.mode=plugin_nan",
-       "reward.function=reward_fns:length_score"]  # fmt: skip
+NAN = [
+    "algorithm.plugins=[plugin_nan]",
+    "actor.policy_loss.mode=plugin_nan",
+    "reward.function=reward_fns:length_score",
+]
 
 
 def weights(engine):
@@ -22,9 +25,12 @@ def test_a_nan_update_is_refused_and_names_where(mini):
         load_config("configs/grpo_tiny.yaml", [*NAN, f"actor.ppo_mini_batch_size={mini}"])
     )
     before = weights(engine)
-    with pytest.raises(NonFiniteUpdate, match=r"step 1: actor update refused: gradient norm nan "
-                       r"in mini-batch 0 \(epoch 0\); micro-batch 0 has loss nan; first "
-                       r"non-finite tensor: the gradient of model\.") as e:  # fmt: skip
+    with pytest.raises(
+        NonFiniteUpdate,
+        match=r"step 1: actor update refused: gradient norm nan "
+        r"in mini-batch 0 \(epoch 0\); micro-batch 0 has loss nan; first "
+        r"non-finite tensor: the gradient of model\.",
+    ) as e:
         engine.step(1)
     assert e.value.stepped == 0 and "\n" not in str(e.value)
     after = weights(engine)
@@ -33,8 +39,12 @@ def test_a_nan_update_is_refused_and_names_where(mini):
 
 
 def test_skip_nonfinite_steps_skips_and_counts():
-    engine = Engine(load_config("configs/grpo_tiny.yaml", [*NAN, "actor.skip_nonfinite_steps=true",
-                                                            "actor.ppo_mini_batch_size=4"]))  # fmt: skip
+    engine = Engine(
+        load_config(
+            "configs/grpo_tiny.yaml",
+            [*NAN, "actor.skip_nonfinite_steps=true", "actor.ppo_mini_batch_size=4"],
+        )
+    )
     before = weights(engine)
     metrics = engine.step(1)
     assert metrics["actor/nonfinite_skipped"] == 4.0  # 16 samples / 4 per mini-batch

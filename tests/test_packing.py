@@ -25,8 +25,11 @@ def grpo_like_batch(pad: int, eos: int) -> tuple[torch.Tensor, torch.Tensor, int
             ids.append(
                 torch.cat([torch.full((left,), pad), p, r, torch.full((resp_len - n,), pad)])
             )
-            mask.append(torch.cat([torch.zeros(left), torch.ones(len(p) + n),
-                                   torch.zeros(resp_len - n)]).long())  # fmt: skip
+            mask.append(
+                torch.cat(
+                    [torch.zeros(left), torch.ones(len(p) + n), torch.zeros(resp_len - n)]
+                ).long()
+            )
     return torch.stack(ids), torch.stack(mask), resp_len
 
 

@@ -32,16 +32,27 @@ from runs import (
 )
 
 
-def killed_and_resumed(root: str, run_id: str, prefect_api: str, endpoint: str | None,
-                       extra: list[str], kills: list[str], env=None, before_last=None):  # fmt: skip
+def killed_and_resumed(
+    root: str,
+    run_id: str,
+    prefect_api: str,
+    endpoint: str | None,
+    extra: list[str],
+    kills: list[str],
+    env=None,
+    before_last=None,
+):
     """Start the run, kill it at each point in turn, resuming after each kill."""
     fs = fs_for(root, endpoint)
     run_url = f"{root}/{run_id}"
     where = [f"storage.root={root}"] + ([f"storage.endpoint_url={endpoint}"] if endpoint else [])
     logs = []
     for i, point in enumerate(kills):
-        args = (["train", "configs/grpo_tiny.yaml", *ARGS, *extra, *where, "--run-id", run_id]
-                if i == 0 else ["resume", run_id, *where])  # fmt: skip
+        args = (
+            ["train", "configs/grpo_tiny.yaml", *ARGS, *extra, *where, "--run-id", run_id]
+            if i == 0
+            else ["resume", run_id, *where]
+        )
         before = rollout_markers(fs, run_url)
         rc, out = driver(args, prefect_api, fault=f"{point}=kill", extra_env=env)
         logs.append(out)
@@ -65,8 +76,7 @@ def corrupt(fs, path: str) -> None:
     fs.pipe_file(path, bytes(data))
 
 
-def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefect_api,
-                                                                  reference):  # fmt: skip
+def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefect_api, reference):
     """Also: before the last resume one byte of step 3's committed advantage batch is
     flipped. That resume loads the step-2 checkpoint and replays step 3 from storage, finds
     the corruption (a warning names the object), recomputes that stage from the committed
@@ -74,8 +84,15 @@ def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefe
     bad = f"{tmp_path}/chain/steps/3/advantage/batch.safetensors"
     mlflow_db = f"sqlite:///{tmp_path}/mlflow.db"
     tracking = ["tracking.enabled=true", f"tracking.uri={mlflow_db}"]
-    got, logs = killed_and_resumed(str(tmp_path), "chain", prefect_api, None, tracking, KILLS,
-                                   before_last=lambda fs, _: corrupt(fs, bad))  # fmt: skip
+    got, logs = killed_and_resumed(
+        str(tmp_path),
+        "chain",
+        prefect_api,
+        None,
+        tracking,
+        KILLS,
+        before_last=lambda fs, _: corrupt(fs, bad),
+    )
     assert_same_run(got, reference)
     # MLflow: the six driver processes wrote one MLflow run, each step's metrics once
     from mlflow.tracking import MlflowClient
@@ -96,8 +113,10 @@ def test_killed_in_every_stage_and_between_steps_resumes_exactly(tmp_path, prefe
     assert f"{bad}: sha256 differs from the committed one" in logs[-1]
     assert "(from storage: rollout, reward, advantage)" in logs[-1]
     # a resume asking for fewer steps than are done says so, trains nothing, changes nothing
-    rc, out = driver(["resume", "chain", "trainer.total_training_steps=2",
-                      f"storage.root={tmp_path}"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        ["resume", "chain", "trainer.total_training_steps=2", f"storage.root={tmp_path}"],
+        prefect_api,
+    )
     assert rc == 0, out
     assert "4 steps done" in out and "nothing to train" in out and "step-3/" not in out
     assert_same_run(final_state(fs_for(str(tmp_path), None), f"{tmp_path}/chain"), reference)
@@ -119,8 +138,15 @@ def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, refer
 
     status = None
     try:
-        got, logs = killed_and_resumed(str(tmp_path / "runs"), "pool", prefect_api, None, extra,
-                                       ["step-2:end", "step-4/update:before_commit"], env)  # fmt: skip
+        got, logs = killed_and_resumed(
+            str(tmp_path / "runs"),
+            "pool",
+            prefect_api,
+            None,
+            extra,
+            ["step-2:end", "step-4/update:before_commit"],
+            env,
+        )
         status = cli("pool", "status", "--pool", "pipeline")
     finally:
         head = json.loads((tmp_path / "ray" / "head.json").read_text())["temp_dir"]
@@ -145,15 +171,15 @@ def test_same_on_s3(prefect_api, s3_endpoint, reference):
     # the kill points' logic is the local chain's; here: a kill before a stage's commit and
     # one before an update's commit after a checkpoint, on S3
     kills = ["step-2/reward:before_commit", "step-4/update:before_commit"]
-    got, _ = killed_and_resumed(f"s3://{bucket}/runs", "chain", prefect_api, s3_endpoint, [],
-                                kills)  # fmt: skip
+    got, _ = killed_and_resumed(f"s3://{bucket}/runs", "chain", prefect_api, s3_endpoint, [], kills)
     assert_same_run(got, reference)
     run = json.loads(fs.cat_file(f"{bucket}/runs/chain/run.json"))
     assert "testing" not in json.dumps(run)  # credentials never reach storage
 
 
-def test_s3_outage_mid_write_commits_nothing_and_resume_recovers(tmp_path, prefect_api,
-                                                                s3_endpoint, reference):  # fmt: skip
+def test_s3_outage_mid_write_commits_nothing_and_resume_recovers(
+    tmp_path, prefect_api, s3_endpoint, reference
+):
     """The network path to S3 is cut after step 2's rollout objects are written and before
     its marker: the task's retries fail, the flow fails, the stage stays uncommitted; with
     S3 back, resume finishes the run exactly."""
@@ -165,12 +191,25 @@ def test_s3_outage_mid_write_commits_nothing_and_resume_recovers(tmp_path, prefe
     proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
     endpoint = f"http://127.0.0.1:{proxy.port}"
     flag = tmp_path / "paused"
-    args = ["train", "configs/grpo_tiny.yaml", *ARGS, f"storage.root=s3://{bucket}/runs",
-            f"storage.endpoint_url={endpoint}", "storage.timeout_s=2", "storage.retries=1",
-            "pipeline.retries=1", "--run-id", "outage"]  # fmt: skip
-    env = {**PRISTINE_ENV, **S3_ENV, "PYTHONPATH": str(ROOT / "tests"),
-           "PREFECT_API_URL": prefect_api,
-           "HYBRIDRL_FAULT": f"step-2/rollout:before_commit=pause:{flag}"}  # fmt: skip
+    args = [
+        "train",
+        "configs/grpo_tiny.yaml",
+        *ARGS,
+        f"storage.root=s3://{bucket}/runs",
+        f"storage.endpoint_url={endpoint}",
+        "storage.timeout_s=2",
+        "storage.retries=1",
+        "pipeline.retries=1",
+        "--run-id",
+        "outage",
+    ]
+    env = {
+        **PRISTINE_ENV,
+        **S3_ENV,
+        "PYTHONPATH": str(ROOT / "tests"),
+        "PREFECT_API_URL": prefect_api,
+        "HYBRIDRL_FAULT": f"step-2/rollout:before_commit=pause:{flag}",
+    }
     proc = Driver(args, env)
     wait_for(flag, proc)
     stage = f"{bucket}/runs/outage/steps/2/rollout"
@@ -186,8 +225,15 @@ def test_s3_outage_mid_write_commits_nothing_and_resume_recovers(tmp_path, prefe
     assert direct.exists(f"{bucket}/runs/outage/steps/1/update/COMMITTED")
 
     proxy.restore()
-    rc, out = driver(["resume", "outage", f"storage.root=s3://{bucket}/runs",
-                      f"storage.endpoint_url={endpoint}"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        [
+            "resume",
+            "outage",
+            f"storage.root=s3://{bucket}/runs",
+            f"storage.endpoint_url={endpoint}",
+        ],
+        prefect_api,
+    )
     assert rc == 0, out
     proxy.cut()
     assert_same_run(final_state(direct, f"{bucket}/runs/outage"), reference)

@@ -22,12 +22,14 @@ def test_killed_mid_rollout_and_after_it_resumes_exactly(tmp_path, prefect_api):
     rc, out = driver([*train, "--run-id", "ref"], prefect_api)
     assert rc == 0, out
     run = f"{root}/chain"
-    rc, out = driver([*train, "--run-id", "chain"], prefect_api,
-                     fault="step-2/rollout:turn-1=kill")  # fmt: skip
+    rc, out = driver([*train, "--run-id", "chain"], prefect_api, fault="step-2/rollout:turn-1=kill")
     assert rc == -signal.SIGKILL, out
     assert not fs.exists(f"{run}/steps/2/rollout/COMMITTED")
-    rc, out = driver(["resume", "chain", f"storage.root={root}"], prefect_api,
-                     fault="step-3/reward:before_commit=kill")  # fmt: skip
+    rc, out = driver(
+        ["resume", "chain", f"storage.root={root}"],
+        prefect_api,
+        fault="step-3/reward:before_commit=kill",
+    )
     assert rc == -signal.SIGKILL, out
     before = rollout_markers(fs, run)
     assert len(before) == 3  # step 3's rollout is committed, its reward is not

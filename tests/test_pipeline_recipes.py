@@ -14,8 +14,10 @@ DYNAMIC = [*ARGS, "reward.function=reward_fns:half_solved", "algorithm.filter_gr
 
 
 def step_meta(fs, run_url: str) -> dict[int, dict]:
-    return {s: json.loads(fs.cat_file(f"{run_url}/steps/{s}/rollout/meta.json"))
-            for s in range(1, STEPS + 1)}  # fmt: skip
+    return {
+        s: json.loads(fs.cat_file(f"{run_url}/steps/{s}/rollout/meta.json"))
+        for s in range(1, STEPS + 1)
+    }
 
 
 def uids(fs, run_url: str, step: int) -> list[str]:
@@ -27,8 +29,10 @@ def uids(fs, run_url: str, step: int) -> list[str]:
 def test_killed_after_the_second_generation_batch_resumes_exactly(tmp_path, prefect_api):
     root = str(tmp_path)
     fs = fs_for(root, None)
-    rc, out = driver(["train", "configs/grpo_tiny.yaml", *DYNAMIC, f"storage.root={root}",
-                      "--run-id", "ref"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        ["train", "configs/grpo_tiny.yaml", *DYNAMIC, f"storage.root={root}", "--run-id", "ref"],
+        prefect_api,
+    )
     assert rc == 0, out
     ref = step_meta(fs, f"{root}/ref")
     used = [g for s in range(1, STEPS + 1) for g in ref[s]["gen_batches"]]
@@ -36,12 +40,13 @@ def test_killed_after_the_second_generation_batch_resumes_exactly(tmp_path, pref
     # the first step that needed a third generation batch: kill it before that one commits
     step = next(s for s in range(1, STEPS + 1) if len(ref[s]["gen_batches"]) >= 3)
     run = f"{root}/chain"
-    rc, out = driver(["train", "configs/grpo_tiny.yaml", *DYNAMIC, f"storage.root={root}",
-                      "--run-id", "chain"], prefect_api,
-                     fault=f"step-{step}/rollout-gen3:before_commit=kill")  # fmt: skip
+    rc, out = driver(
+        ["train", "configs/grpo_tiny.yaml", *DYNAMIC, f"storage.root={root}", "--run-id", "chain"],
+        prefect_api,
+        fault=f"step-{step}/rollout-gen3:before_commit=kill",
+    )
     assert rc == -signal.SIGKILL, out
-    parts = {j: fs.cat_file(f"{run}/steps/{step}/rollout-gen{j}/batch.safetensors")
-             for j in (1, 2)}  # fmt: skip
+    parts = {j: fs.cat_file(f"{run}/steps/{step}/rollout-gen{j}/batch.safetensors") for j in (1, 2)}
     assert not fs.exists(f"{run}/steps/{step}/rollout/COMMITTED")
     rc, out = driver(["resume", "chain", f"storage.root={root}"], prefect_api)
     assert rc == 0, out
@@ -66,8 +71,11 @@ def test_lora_killed_after_a_checkpoint_resumes_exactly_from_the_adapters(tmp_pa
     fs = fs_for(root, None)
     lora = [*ARGS, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2"]
     for run, fault in (("ref", None), ("chain", "step-4/update:before_commit=kill")):
-        rc, out = driver(["train", "configs/grpo_tiny.yaml", *lora, f"storage.root={root}",
-                          "--run-id", run], prefect_api, fault=fault)  # fmt: skip
+        rc, out = driver(
+            ["train", "configs/grpo_tiny.yaml", *lora, f"storage.root={root}", "--run-id", run],
+            prefect_api,
+            fault=fault,
+        )
         assert rc == (0 if fault is None else -signal.SIGKILL), out
     ckpt = load_file_bytes(fs, f"{root}/chain/checkpoints/step_2/actor/model.safetensors")
     assert ckpt and all(".lora_" in k for k in ckpt)

@@ -70,8 +70,16 @@ def test_gspo_sequence_ratio_value_and_stop_gradient():
     close(ppo_kl, -2.6 / 7)  # -(0.1 + 0.3 + 0.5 + 0.5 + 1.2) / 7
     close(lower, 0.0)
     # whatever loss_agg_mode says, GSPO averages sequences
-    (same, *_), _ = run("gspo", old, d, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                        loss_agg_mode="token-sum")  # fmt: skip
+    (same, *_), _ = run(
+        "gspo",
+        old,
+        d,
+        adv,
+        mask,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode="token-sum",
+    )
     close(same, -0.2842272)
 
 
@@ -83,9 +91,14 @@ def test_cispo_every_token_keeps_a_clipped_stop_gradient_weight():
     # get one (PPO-clip would give them 0), scaled by the clipped ratio
     old = T([[-1.0, -2.0, -1.0]])
     (loss, clipfrac, ppo_kl, lower), grad = run(
-        "cispo", old, T([[0.5, 0.0, -0.5]]), T([[1.0, 1.0, -2.0]]), torch.ones(1, 3),
-        clip_ratio_low=0.2, clip_ratio_high=0.28,
-    )  # fmt: skip
+        "cispo",
+        old,
+        T([[0.5, 0.0, -0.5]]),
+        T([[1.0, 1.0, -2.0]]),
+        torch.ones(1, 3),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+    )
     close(loss, 0.08)
     close(grad, [[-1.28 / 3, -1 / 3, 1.6 / 3]])
     close(clipfrac, 2 / 3)
@@ -101,9 +114,13 @@ def test_sapo_gate_and_fixed_sequence_aggregation():
     # gradient: f'(r) = 4 sigmoid'(tau (r - 1)), times dr/dlogp = r, times -A / (2 seqs * tokens):
     #   seq 1: f'(1) = 1 -> [-0.25, +0.25];  seq 2: 4 * 0.1966119 * 2 / 2 = 0.7864477 -> -0.7864477
     (loss, clipfrac, ppo_kl, lower), grad = run(
-        "sapo", torch.zeros(2, 2), T([[0.0, 0.0], [math.log(2), 0.0]]), T([[1.0, -1.0], [1.0, 0.0]]),
-        T([[1, 1], [1, 0]]), loss_agg_mode="token-mean",
-    )  # fmt: skip
+        "sapo",
+        torch.zeros(2, 2),
+        T([[0.0, 0.0], [math.log(2), 0.0]]),
+        T([[1.0, -1.0], [1.0, 0.0]]),
+        T([[1, 1], [1, 0]]),
+        loss_agg_mode="token-mean",
+    )
     close(loss, -1.4859267)
     close(grad, [[-0.25, 0.25], [-0.7864477, 0.0]])
     close(clipfrac, 0.0)
@@ -119,9 +136,14 @@ def test_geo_mean_token_clipped_geometric_ratio():
     # gradient reaches only unclipped tokens: drho/dd_t = rho / 2, over 2 sequences:
     #   seq 1 token 1: -1.2092496 / 4;  seq 2 token 2: +0.9512294 / 4
     (loss, clipfrac, ppo_kl, lower), grad = run(
-        "geo_mean", torch.zeros(2, 2), T([[0.1, 0.5], [-0.5, 0.1]]), T([[1.0, 1.0], [-1.0, -1.0]]),
-        torch.ones(2, 2), clip_ratio_low=0.2, clip_ratio_high=0.28,
-    )  # fmt: skip
+        "geo_mean",
+        torch.zeros(2, 2),
+        T([[0.1, 0.5], [-0.5, 0.1]]),
+        T([[1.0, 1.0], [-1.0, -1.0]]),
+        torch.ones(2, 2),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+    )
     close(loss, -0.1290101)
     close(grad, [[-0.3023124, 0.0], [0.0, 0.2378074]])
     close(clipfrac, 0.25)  # seq 1 token 2 (A > 0)
@@ -135,13 +157,25 @@ def test_gpg_and_rollout_is_weights_scale_token_losses():
     old = T([[-1.0, -2.0]])
     (loss, *_), _ = run("gpg", old, torch.zeros(1, 2), T([[1.0, -1.0]]), torch.ones(1, 2))
     close(loss, -0.5)
-    (loss, *_), grad = run("gpg", old, torch.zeros(1, 2), T([[1.0, -1.0]]), torch.ones(1, 2),
-                           rollout_is_weights=T([[2.0, 0.5]]))  # fmt: skip
+    (loss, *_), grad = run(
+        "gpg",
+        old,
+        torch.zeros(1, 2),
+        T([[1.0, -1.0]]),
+        torch.ones(1, 2),
+        rollout_is_weights=T([[2.0, 0.5]]),
+    )
     close(loss, 0.5)
     close(grad, [[-1.0, 0.25]])
     # vanilla with weights: r = 1 everywhere, -A r w, token-mean: (-2 + 0.5) / 2 = -0.75
-    (loss, *_), grad = run("vanilla", old, torch.zeros(1, 2), T([[1.0, -1.0]]), torch.ones(1, 2),
-                           rollout_is_weights=T([[2.0, 0.5]]))  # fmt: skip
+    (loss, *_), grad = run(
+        "vanilla",
+        old,
+        torch.zeros(1, 2),
+        T([[1.0, -1.0]]),
+        torch.ones(1, 2),
+        rollout_is_weights=T([[2.0, 0.5]]),
+    )
     close(loss, -0.75)
     close(grad, [[-1.0, 0.25]])
 
@@ -153,8 +187,13 @@ def test_registry_is_the_source_of_loss_names_and_aggregation():
     assert loss_aggregation("geo_mean", "token-mean") == "seq-mean"
     assert get_policy_loss("gspo").summary.startswith("GSPO")
     with pytest.raises(ValueError, match="nope.*cispo.*gspo"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
-                    loss_mode="nope")  # fmt: skip
+        policy_loss(
+            torch.zeros(1, 1),
+            torch.zeros(1, 1),
+            torch.ones(1, 1),
+            torch.ones(1, 1),
+            loss_mode="nope",
+        )
 
     @register_policy_loss("_test_double")
     def double(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, **_):
@@ -164,8 +203,9 @@ def test_registry_is_the_source_of_loss_names_and_aggregation():
         return pg, zero, zero, zero
 
     try:
-        (loss, *_), grad = run("_test_double", torch.zeros(1, 2), T([[-1.0, -3.0]]),
-                               T([[1.0, 1.0]]), torch.ones(1, 2))  # fmt: skip
+        (loss, *_), grad = run(
+            "_test_double", torch.zeros(1, 2), T([[-1.0, -3.0]]), T([[1.0, 1.0]]), torch.ones(1, 2)
+        )
         close(loss, 4.0)
         close(grad, [[-1.0, -1.0]])
     finally:

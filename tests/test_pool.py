@@ -27,9 +27,15 @@ SIGNAL = "reward.function=reward_fns:length_score"
 def cfg(pool: str, *extra: str):
     return load_config(
         "configs/grpo_tiny.yaml",
-        [SIGNAL, "trainer.backend=ray", f"ray.pool_name={pool}", "rollout.micro_batch_size=8",
-         "ray.call_timeout_s=120", *extra],
-    )  # fmt: skip
+        [
+            SIGNAL,
+            "trainer.backend=ray",
+            f"ray.pool_name={pool}",
+            "rollout.micro_batch_size=8",
+            "ray.call_timeout_s=120",
+            *extra,
+        ],
+    )
 
 
 HEADS: set[str] = set()  # temp dirs of the heads these tests ran on
@@ -112,17 +118,23 @@ def test_second_driver_reattaches_to_the_same_workers_and_weights():
     # the second driver finds the cluster through RAY_ADDRESS, as on an existing cluster
     address = json.loads((pool.state_dir() / "head.json").read_text())["address"]
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
         env={**os.environ, "RAY_ADDRESS": address, "HYBRIDRL_RAY_STATE": "/nonexistent"},
-    )  # fmt: skip
+    )
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["created"] is False and seen["version"] == 1 and seen["pid"] == pid
     assert seen["attach_s"] < 5  # measured ~0.3 s; the bound only catches a silent re-create
 
     status = subprocess.run(
         [sys.executable, "-m", "flows.cli", "pool", "status", "--pool", "attach"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert status.returncode == 0, status.stderr
     assert "actor-0" in status.stdout and str(pid) in status.stdout and "ok" in status.stdout
 
@@ -143,9 +155,12 @@ def test_state_round_trip_resumes_exactly_and_across_layouts(tmp_path):
     two.step(1)
     files = two.actor.save(str(tmp_path / "a"))
     assert {os.path.basename(f) for f in files} >= {
-        "model.safetensors", "optim.safetensors", "state.json", "rng_rank0.safetensors",
+        "model.safetensors",
+        "optim.safetensors",
+        "state.json",
+        "rng_rank0.safetensors",
         "rng_rank1.safetensors",
-    }  # fmt: skip
+    }
     two.step(2)
     uninterrupted = two.actor.full_state_dict()
     assert two.actor.load(str(tmp_path / "a")) == 1
@@ -201,14 +216,26 @@ def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop
     engine = Engine(
         load_config(
             "configs/ppo_tiny.yaml",
-            [*base, "trainer.backend=ray", "ray.pool_name=ppo", "actor.layout.dp=2",
-             "ray.critic=separate", "ray.critic_dp=2", "ray.reward_model=separate"],
+            [
+                *base,
+                "trainer.backend=ray",
+                "ray.pool_name=ppo",
+                "actor.layout.dp=2",
+                "ray.critic=separate",
+                "ray.critic_dp=2",
+                "ray.reward_model=separate",
+            ],
         )
-    )  # fmt: skip
+    )
     _, hist = train(engine.cfg, engine=engine)
     names = {w["name"]: w["roles"] for w in engine.pool.status()}
-    assert names == {"actor-0": ["actor"], "actor-1": ["actor"], "critic-0": ["critic"],
-                     "critic-1": ["critic"], "rm-0": ["rm"]}  # fmt: skip
+    assert names == {
+        "actor-0": ["actor"],
+        "actor-1": ["actor"],
+        "critic-0": ["critic"],
+        "critic-1": ["critic"],
+        "rm-0": ["rm"],
+    }
     # FSDP sums the ranks' gradients in another order than one process does. Adam divides each
     # gradient by its own running size, so where a gradient is near 0 that rounding becomes a
     # visible part of a step. Measured: 60 of the actor's 6.4M weights beyond 1e-6, the largest
@@ -225,8 +252,12 @@ def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop
 def test_lora_with_kl_and_rollout_correction_on_one_and_two_ranks_matches_local(tmp_path):
     """LoRA on FSDP: adapters train on both ranks, the base (adapters off) is the reference,
     IS weights reach the workers; an adapter-only checkpoint of 2 ranks loads into 1."""
-    extra = ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.use_kl_loss=true",
-             "algorithm.rollout_correction.level=token"]  # fmt: skip
+    extra = [
+        "actor.lora.rank=4",
+        "actor.lora.alpha=8",
+        "actor.use_kl_loss=true",
+        "algorithm.rollout_correction.level=token",
+    ]
     local, local_hist = train(
         load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8", *extra])
     )
@@ -251,10 +282,14 @@ def test_lora_with_kl_and_rollout_correction_on_one_and_two_ranks_matches_local(
 def test_multi_turn_rollouts_on_two_ranks_match_the_local_loop():
     """The turn loop runs in the driver; each turn's batched generate is split over the
     ranks: two FSDP ranks give the local loop's trajectories and weights."""
-    extra = ["rollout.multi_turn.enabled=true", "rollout.multi_turn.environment=env_fns:TwoTurns",
-             "rollout.multi_turn.max_total_tokens=96"]  # fmt: skip
-    local, local_hist = train(load_config("configs/grpo_tiny.yaml",
-                                          [SIGNAL, "rollout.micro_batch_size=8", *extra]))  # fmt: skip
+    extra = [
+        "rollout.multi_turn.enabled=true",
+        "rollout.multi_turn.environment=env_fns:TwoTurns",
+        "rollout.multi_turn.max_total_tokens=96",
+    ]
+    local, local_hist = train(
+        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8", *extra])
+    )
     engine = Engine(cfg("mt2", "actor.layout.dp=2", *extra))
     _, hist = train(engine.cfg, engine=engine)
     assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), 1e-4)

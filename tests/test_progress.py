@@ -68,11 +68,19 @@ def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, pr
     display = LiveDisplay(Console(file=screen, force_terminal=True, width=140))
     display.poll_s = 0.02
     recorder = Recorder()
-    overrides = [f"storage.root={tmp_path}", "tracking.enabled=false",
-                 "trainer.total_training_steps=2", "rollout.max_new_tokens=48",
-                 "trainer.val_before_train=true"]  # fmt: skip
-    with temporary_settings({PREFECT_API_URL: prefect_api}), display, listening(display), \
-            listening(recorder):  # fmt: skip
+    overrides = [
+        f"storage.root={tmp_path}",
+        "tracking.enabled=false",
+        "trainer.total_training_steps=2",
+        "rollout.max_new_tokens=48",
+        "trainer.val_before_train=true",
+    ]
+    with (
+        temporary_settings({PREFECT_API_URL: prefect_api}),
+        display,
+        listening(display),
+        listening(recorder),
+    ):
         train(config="configs/grpo_tiny.yaml", overrides=overrides, run_id="p1")
         APILogHandler().flush()  # send the run's logs while this test's server is up
     stages = ["rollout", "reward", "advantage", "update"]

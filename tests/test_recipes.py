@@ -25,21 +25,34 @@ def test_each_policy_loss_trains_a_step(mode):
 
 @pytest.mark.parametrize(
     "overrides",
-    [["actor.policy_loss.mode=sapo"], ["actor.policy_loss.mode=geo_mean"],
-     ["actor.policy_loss.mode=cispo", "actor.loss_agg_mode=token-sum"],
-     ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.entropy_coeff=0.01",
-      "actor.use_kl_loss=true"]],
+    [
+        ["actor.policy_loss.mode=sapo"],
+        ["actor.policy_loss.mode=geo_mean"],
+        ["actor.policy_loss.mode=cispo", "actor.loss_agg_mode=token-sum"],
+        [
+            "actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor.entropy_coeff=0.01",
+            "actor.use_kl_loss=true",
+        ],
+    ],
     ids=["sapo", "geo_mean", "cispo-token-sum", "drgrpo-entropy-kl"],
-)  # fmt: skip
+)
 def test_micro_batching_is_exact_for_every_aggregation(overrides):
     """One mini-batch of 16 as 1, 2 or 8 micro-batches: the same gradient to float rounding.
     Each loss term is weighted by its own mode's share (tokens, sequences, rows or 1)."""
     grads = []
     for micro in (16, 2, 8):
-        cfg = load_config("configs/grpo_tiny.yaml", [
-            SIGNAL, *overrides, "actor.ppo_mini_batch_size=16", f"actor.ppo_micro_batch_size={micro}",
-            "trainer.total_training_steps=1", "actor.optim.lr=1e-6",
-        ])  # fmt: skip
+        cfg = load_config(
+            "configs/grpo_tiny.yaml",
+            [
+                SIGNAL,
+                *overrides,
+                "actor.ppo_mini_batch_size=16",
+                f"actor.ppo_micro_batch_size={micro}",
+                "trainer.total_training_steps=1",
+                "actor.optim.lr=1e-6",
+            ],
+        )
         engine, _ = train(cfg)
         grads.append({k: p.grad.clone() for k, p in engine.actor.policy.named_parameters()})
     for other in grads[1:]:
@@ -49,11 +62,16 @@ def test_micro_batching_is_exact_for_every_aggregation(overrides):
 
 
 def test_rollout_correction_records_rollout_log_probs_and_weights_the_loss():
-    cfg = load_config("configs/grpo_tiny.yaml", [
-        SIGNAL, "algorithm.rollout_correction.level=token", "algorithm.rollout_correction.threshold=2.0",
-        "algorithm.rollout_correction.rejection_modes=token_k1",
-        "algorithm.rollout_correction.rejection_thresholds=0.5_2.0",
-    ])  # fmt: skip
+    cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        [
+            SIGNAL,
+            "algorithm.rollout_correction.level=token",
+            "algorithm.rollout_correction.threshold=2.0",
+            "algorithm.rollout_correction.rejection_modes=token_k1",
+            "algorithm.rollout_correction.rejection_thresholds=0.5_2.0",
+        ],
+    )
     engine = Engine(cfg)
     assert not engine.on_policy_single_update  # old log-probs are computed up front
     batch = engine.reward(engine.rollout(1))
@@ -76,8 +94,12 @@ def test_rollout_correction_records_rollout_log_probs_and_weights_the_loss():
     adv = engine.advantage(stale)
     kept = adv["response_mask"].bool()
     assert not kept[:8].any() and torch.equal(kept[8:], mask[8:])
-    torch.testing.assert_close(adv["rollout_is_weights"][:8][mask[:8]],
-                               torch.full((int(mask[:8].sum()),), 0.25), atol=1e-3, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        adv["rollout_is_weights"][:8][mask[:8]],
+        torch.full((int(mask[:8].sum()),), 0.25),
+        atol=1e-3,
+        rtol=0,
+    )
     assert adv.meta["metrics"]["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.5
     before = params(engine.actor.policy)
     engine.update(adv)
@@ -87,9 +109,14 @@ def test_rollout_correction_records_rollout_log_probs_and_weights_the_loss():
 def test_a_plugin_loss_runs_from_the_config_alone():
     with pytest.raises(ValueError, match="plugin_scaled_pg' is not a registered policy loss"):
         load_config("configs/grpo_tiny.yaml", ["actor.policy_loss.mode=plugin_scaled_pg"])
-    cfg = load_config("configs/grpo_tiny.yaml", [
-        SIGNAL, "algorithm.plugins=[plugin_losses]", "actor.policy_loss.mode=plugin_scaled_pg",
-    ])  # fmt: skip
+    cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        [
+            SIGNAL,
+            "algorithm.plugins=[plugin_losses]",
+            "actor.policy_loss.mode=plugin_scaled_pg",
+        ],
+    )
     engine = Engine(cfg)
     before = params(engine.actor.policy)
     metrics = engine.step(1)

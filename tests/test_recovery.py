@@ -20,8 +20,12 @@ from pathlib import Path
 import pytest
 from runs import ARGS, assert_same_run, driver, final_state, fs_for, own_ray_head
 
-POOL = ["trainer.backend=ray", "ray.pool_name=recovery", "ray.call_timeout_s=120",
-        "pipeline.recovery_delay_s=0.2"]  # fmt: skip
+POOL = [
+    "trainer.backend=ray",
+    "ray.pool_name=recovery",
+    "ray.call_timeout_s=120",
+    "pipeline.recovery_delay_s=0.2",
+]
 
 
 @pytest.fixture()
@@ -31,10 +35,23 @@ def ray_state(tmp_path, prefect_api):
         yield env
 
 
-def train(tmp_path: Path, run_id: str, extra: list[str], prefect_api: str, fault: str,
-          env: dict | None = None) -> tuple[int, str]:  # fmt: skip
-    args = ["train", "configs/grpo_tiny.yaml", *ARGS, *extra, f"storage.root={tmp_path}/runs",
-            "--run-id", run_id]  # fmt: skip
+def train(
+    tmp_path: Path,
+    run_id: str,
+    extra: list[str],
+    prefect_api: str,
+    fault: str,
+    env: dict | None = None,
+) -> tuple[int, str]:
+    args = [
+        "train",
+        "configs/grpo_tiny.yaml",
+        *ARGS,
+        *extra,
+        f"storage.root={tmp_path}/runs",
+        "--run-id",
+        run_id,
+    ]
     return driver(args, prefect_api, fault=fault, extra_env=env)
 
 
@@ -46,9 +63,14 @@ def test_a_dead_and_a_hung_worker_are_recovered_and_the_run_is_exact(
     after the rollout's time limit (max(3 s, 5 x its slowest wall time))."""
     db = f"sqlite:///{tmp_path}/mlflow.db"
     fault = "step-2/update:start=kill-worker:actor-0@0.1;step-4/rollout:start=stop-worker:actor-0"
-    rc, out = train(tmp_path, "healed", [*POOL, "pipeline.stage_timeout_s=3",
-                                         "tracking.enabled=true", f"tracking.uri={db}"],
-                    prefect_api, fault, ray_state)  # fmt: skip
+    rc, out = train(
+        tmp_path,
+        "healed",
+        [*POOL, "pipeline.stage_timeout_s=3", "tracking.enabled=true", f"tracking.uri={db}"],
+        prefect_api,
+        fault,
+        ray_state,
+    )
     assert rc == 0, out
     assert "recovered from 2 worker fault(s)" in out
     assert_same_run(final_state(fs_for(str(tmp_path), None), f"{tmp_path}/runs/healed"), reference)
@@ -72,16 +94,23 @@ def test_a_dead_and_a_hung_worker_are_recovered_and_the_run_is_exact(
 def test_past_max_recoveries_the_run_stops_in_one_line_and_a_resume_finishes_it(
     tmp_path, prefect_api, reference, ray_state
 ):
-    rc, out = train(tmp_path, "capped", [*POOL, "pipeline.max_recoveries=0"], prefect_api,
-                    "step-3/reward:start=kill-worker:actor-0", ray_state)  # fmt: skip
+    rc, out = train(
+        tmp_path,
+        "capped",
+        [*POOL, "pipeline.max_recoveries=0"],
+        prefect_api,
+        "step-3/reward:start=kill-worker:actor-0",
+        ray_state,
+    )
     assert rc == 1, out
     (line,) = [x for x in out.splitlines() if x.startswith("error:")]
     assert "RecoveryExhausted: actor-0 died 1x: 1 worker faults, more than " in line
     assert "pipeline.max_recoveries=0" in line and "`hybridrl resume capped`" in line
     # the dead worker's name is gone: the resume creates the pool anew, loads the last
     # checkpoint and ends like the uninterrupted run
-    rc, out = driver(["resume", "capped", f"storage.root={tmp_path}/runs"], prefect_api,
-                     extra_env=ray_state)  # fmt: skip
+    rc, out = driver(
+        ["resume", "capped", f"storage.root={tmp_path}/runs"], prefect_api, extra_env=ray_state
+    )
     assert rc == 0, out
     assert "starting at step 3 (loaded checkpoint step_2" in out
     assert_same_run(final_state(fs_for(str(tmp_path), None), f"{tmp_path}/runs/capped"), reference)
@@ -110,8 +139,10 @@ def test_sigterm_preempts_with_exit_143_and_a_resume_is_exact(tmp_path, prefect_
     # (its starting weights are gone); a longer resume says what is kept and what is lost
     meta = steps / "1" / "update" / "meta.json"
     meta.write_bytes(meta.read_bytes()[:-1] + b" ")
-    rc, out = driver(["resume", "pre", f"storage.root={tmp_path}/runs",
-                      "trainer.total_training_steps=5"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        ["resume", "pre", f"storage.root={tmp_path}/runs", "trainer.total_training_steps=5"],
+        prefect_api,
+    )
     assert rc == 0, out
     assert "step 1: steps/1/update is corrupted: the weights it made are kept" in out
     summary = json.loads((tmp_path / "runs" / "pre" / "final" / "summary.json").read_text())
@@ -134,8 +165,12 @@ def test_a_nan_update_fails_the_run_before_any_checkpoint(tmp_path, prefect_api)
 def small_disk(path: Path, megabytes: int):
     """A tmpfs of `megabytes` at `path` (needs the right to mount: root, as CI runs)."""
     path.mkdir()
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    got = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if got.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {got.stderr.strip()}")
     try:
@@ -154,8 +189,15 @@ def test_a_full_disk_fails_the_checkpoint_cleanly_and_keeps_the_older_one(
     finishes exactly."""
     with small_disk(tmp_path / "disk", 60) as grow:
         root = f"{tmp_path}/disk"
-        args = ["train", "configs/grpo_tiny.yaml", *ARGS, "trainer.max_ckpt_to_keep=1",
-                f"storage.root={root}", "--run-id", "full"]  # fmt: skip
+        args = [
+            "train",
+            "configs/grpo_tiny.yaml",
+            *ARGS,
+            "trainer.max_ckpt_to_keep=1",
+            f"storage.root={root}",
+            "--run-id",
+            "full",
+        ]
         rc, out = driver(args, prefect_api)
         assert rc == 1, out
         (line,) = [x for x in out.splitlines() if x.startswith("error:")]
@@ -184,12 +226,27 @@ def test_a_resume_ends_the_prefect_server_a_sigkilled_driver_left(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PREFECT_HOME": str(tmp_path / "ph")}
     env.pop("PREFECT_API_URL", None)
-    args = [sys.executable, "-m", "flows.cli", "train", "configs/grpo_tiny.yaml", *ARGS,
-            f"storage.root={tmp_path}/runs", "--run-id", "orphan"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "configs/grpo_tiny.yaml",
+        *ARGS,
+        f"storage.root={tmp_path}/runs",
+        "--run-id",
+        "orphan",
+    ]
     log = tmp_path / "driver.log"  # not a pipe: the orphaned server would hold it open
     with open(log, "w") as f:
-        proc = subprocess.run(args, cwd=ROOT, env={**env, "HYBRIDRL_FAULT": "step-2:end=kill"},
-                              stdout=f, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+        proc = subprocess.run(
+            args,
+            cwd=ROOT,
+            env={**env, "HYBRIDRL_FAULT": "step-2:end=kill"},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
     servers = []
     try:
         assert proc.returncode == -signal.SIGKILL, log.read_text()
@@ -197,9 +254,21 @@ def test_a_resume_ends_the_prefect_server_a_sigkilled_driver_left(tmp_path):
         servers = [s["pid"] for s in run["driver"]["servers"]]
         assert servers and all(psutil.pid_exists(p) for p in servers)  # left behind
         with open(log, "w") as f:
-            resumed = subprocess.run([sys.executable, "-m", "flows.cli", "resume", "orphan",
-                                      f"storage.root={tmp_path}/runs"], cwd=ROOT, env=env,
-                                     stdout=f, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+            resumed = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "flows.cli",
+                    "resume",
+                    "orphan",
+                    f"storage.root={tmp_path}/runs",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=600,
+            )
         assert resumed.returncode == 0, log.read_text()
         assert "left by the killed driver" in log.read_text()
         gone = lambda p: not psutil.pid_exists(p) or psutil.Process(p).status() == "zombie"  # noqa: E731

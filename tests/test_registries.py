@@ -54,18 +54,29 @@ def test_the_source_scan_refuses_computed_names(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("algorithm.adv_estimator=nope", "algorithm.adv_estimator='nope' is not a registered "
-         "advantage estimator; registered: gae, gpg, grpo"),
-        ("actor.loss_agg_mode=mean", "actor.loss_agg_mode='mean' is not a registered loss "
-         "aggregation mode; registered: seq-mean-token-mean"),
+        (
+            "algorithm.adv_estimator=nope",
+            "algorithm.adv_estimator='nope' is not a registered "
+            "advantage estimator; registered: gae, gpg, grpo",
+        ),
+        (
+            "actor.loss_agg_mode=mean",
+            "actor.loss_agg_mode='mean' is not a registered loss "
+            "aggregation mode; registered: seq-mean-token-mean",
+        ),
         ("algorithm.kl_penalty=k4", "algorithm.kl_penalty='k4' is not a registered KL estimator"),
         ("algorithm.rollout_correction.level=geo", "level='geo' is not a registered IS level"),
-        ("rollout.name=sglang", "rollout.name='sglang' is not a registered rollout backend; "
-         "registered: hf, vllm"),
-        ("rollout.multi_turn.environment=chess", "environment='chess' is not a registered "
-         "environment; registered: calculator, feedback, tools"),
+        (
+            "rollout.name=sglang",
+            "rollout.name='sglang' is not a registered rollout backend; registered: hf, vllm",
+        ),
+        (
+            "rollout.multi_turn.environment=chess",
+            "environment='chess' is not a registered "
+            "environment; registered: calculator, feedback, tools",
+        ),
     ],
-)  # fmt: skip
+)
 def test_an_unregistered_name_is_named_with_its_key_and_the_choices(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("configs/grpo_tiny.yaml", [override])

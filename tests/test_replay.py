@@ -18,20 +18,39 @@ def test_every_stage_of_a_run_and_of_its_fork_replays_bit_equal(reference_run, p
     root, _ = reference_run
     rc, out = replay(root, prefect_api, "ref", "--all")
     assert rc == 0, out
-    stages = ["0/validate"] + [f"{n}/{s}" for n in range(1, 5)
-                               for s in ("rollout", "reward", "advantage", "update")]  # fmt: skip
+    stages = ["0/validate"] + [
+        f"{n}/{s}" for n in range(1, 5) for s in ("rollout", "reward", "advantage", "update")
+    ]
     stages += ["2/validate", "4/validate"]
     for stage in stages:
         assert f"{stage}: bit-equal" in out, out
     assert "all equal" in out
     # a fork replays through its lineage: the parent's stages, then its own
-    rc, out = driver(["fork", "ref", "--at", "3/advantage", "--run-id", "audited",
-                      f"storage.root={root}", "algorithm.adv_estimator=rloo"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        [
+            "fork",
+            "ref",
+            "--at",
+            "3/advantage",
+            "--run-id",
+            "audited",
+            f"storage.root={root}",
+            "algorithm.adv_estimator=rloo",
+        ],
+        prefect_api,
+    )
     assert rc == 0, out
     rc, out = replay(root, prefect_api, "audited", "--all")
     assert rc == 0, out
-    own = ["3/advantage", "3/update", "4/rollout", "4/reward", "4/advantage", "4/update",
-           "4/validate"]  # fmt: skip
+    own = [
+        "3/advantage",
+        "3/update",
+        "4/rollout",
+        "4/reward",
+        "4/advantage",
+        "4/update",
+        "4/validate",
+    ]
     for stage in stages:
         how = "bit-equal" if stage in own else "inherited from ref"
         assert f"{stage}: {how}" in out, out
@@ -40,8 +59,18 @@ def test_every_stage_of_a_run_and_of_its_fork_replays_bit_equal(reference_run, p
 def test_an_altered_stage_is_reported_with_its_first_difference(tmp_path, prefect_api):
     root = str(tmp_path)
     args = [a for a in ARGS if not a.startswith("trainer.total_training_steps")]
-    rc, out = driver(["train", "configs/grpo_tiny.yaml", *args, "trainer.total_training_steps=2",
-                      f"storage.root={root}", "--run-id", "r"], prefect_api)  # fmt: skip
+    rc, out = driver(
+        [
+            "train",
+            "configs/grpo_tiny.yaml",
+            *args,
+            "trainer.total_training_steps=2",
+            f"storage.root={root}",
+            "--run-id",
+            "r",
+        ],
+        prefect_api,
+    )
     assert rc == 0, out
     rc, out = replay(root, prefect_api, "r", "2/advantage")
     assert rc == 0 and "2/advantage: bit-equal" in out, out

@@ -18,8 +18,15 @@ def test_response_mask_keeps_first_eos_and_drops_the_rest():
 def setup(tokenizer):
     model = load_policy(ModelConfig(path="tiny"), tokenizer, seed=0)
     questions = ["What is 1+1?", "Add 13 and 29, please, and explain.", "2-1?"]
-    rows = [{"prompt": [{"role": "user", "content": q}], "data_source": "t",
-             "reward_model": {"ground_truth": "1"}, "extra_info": {}} for q in questions]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": q}],
+            "data_source": "t",
+            "reward_model": {"ground_truth": "1"},
+            "extra_info": {},
+        }
+        for q in questions
+    ]
     return model, prompt_batch(rows, tokenizer, 256)
 
 
@@ -76,8 +83,14 @@ def test_decode_greedy_gives_the_tokens_of_generate(setup, tokenizer, n):
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     with torch.no_grad():
-        full = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
-                              do_sample=False, pad_token_id=pad, eos_token_id=eos)  # fmt: skip
+        full = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
     counted = []
     ours = decode(model, ids, mask, SamplingParams(10, 0.0), eos, pad, on_step=counted.append)
     assert torch.equal(ours, full[:, ids.shape[1] :])

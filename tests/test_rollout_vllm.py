@@ -157,8 +157,15 @@ def prompts(tokenizer):
     from hybrid_engine.data import prompt_batch
 
     questions = ["What is 1+1?", "Add 13 and 29, please, and explain.", "2-1?", "Name a color."]
-    rows = [{"prompt": [{"role": "user", "content": q}], "data_source": "t",
-             "reward_model": {"ground_truth": "1"}, "extra_info": {}} for q in questions]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": q}],
+            "data_source": "t",
+            "reward_model": {"ground_truth": "1"},
+            "extra_info": {},
+        }
+        for q in questions
+    ]
     return prompt_batch(rows, tokenizer, 256)
 
 

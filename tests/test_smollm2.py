@@ -16,17 +16,27 @@ def test_smollm2_one_tiny_step():
     assert (path / "model.safetensors").stat().st_size > 400e6
     cfg = load_config(
         "configs/demo_cpu.yaml",
-        ["data.train_batch_size=2", "rollout.n=2", "rollout.max_new_tokens=12",
-         "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=4", "data.train_size=16",
-         "data.val_size=4", "actor.optim.lr=1e-4", "reward.function=reward_fns:length_score",
-         "reward.overlong_buffer_len=4"],
-    )  # fmt: skip
+        [
+            "data.train_batch_size=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=12",
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size=4",
+            "data.train_size=16",
+            "data.val_size=4",
+            "actor.optim.lr=1e-4",
+            "reward.function=reward_fns:length_score",
+            "reward.overlong_buffer_len=4",
+        ],
+    )
     engine = Engine(cfg)
     assert engine.actor.policy.num_parameters() == 134_515_008
     before = engine.actor.policy.model.layers[0].mlp.up_proj.weight.detach().clone()
     batch = engine.reward(engine.rollout(1))
-    texts = [engine.tokenizer.decode(r[m.bool()], skip_special_tokens=True)
-             for r, m in zip(batch["response_ids"], batch["response_mask"], strict=True)]  # fmt: skip
+    texts = [
+        engine.tokenizer.decode(r[m.bool()], skip_special_tokens=True)
+        for r, m in zip(batch["response_ids"], batch["response_mask"], strict=True)
+    ]
     # A real instruct model answers in English words, not random sub-tokens: whole words,
     # and not an equation (which a prompt's numbers and "=" would make of any output).
     english = {"the", "is", "answer", "to", "of", "and", "we", "a", "this", "result", "sum"}

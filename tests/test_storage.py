@@ -17,8 +17,11 @@ pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 
 
 def a_batch() -> Batch:
-    return Batch({"x": torch.arange(6.0).reshape(2, 3), "ids": torch.tensor([[1, 2], [3, 4]])},
-                 {"uid": ["a", "b"]}, {"metrics": {"m": 1.5}})  # fmt: skip
+    return Batch(
+        {"x": torch.arange(6.0).reshape(2, 3), "ids": torch.tensor([[1, 2], [3, 4]])},
+        {"uid": ["a", "b"]},
+        {"metrics": {"m": 1.5}},
+    )
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -16,8 +16,10 @@ from storage.tracking import Tracker
 @pytest.fixture
 def setup(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config("configs/grpo_tiny.yaml", [f"storage.root={tmp_path}/runs",
-                                                 f"tracking.uri={uri}", "tracking.experiment=t"])  # fmt: skip
+    cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        [f"storage.root={tmp_path}/runs", f"tracking.uri={uri}", "tracking.experiment=t"],
+    )
     store = RunStore(cfg.storage, "run-a")
     store.write_run({"run_id": "run-a"})
     return cfg, store, MlflowClient(uri)
@@ -28,8 +30,10 @@ def test_one_mlflow_run_continued_by_resume_and_steps_logged_once(setup, tmp_pat
     first = Tracker.open(cfg, store, "flow-1", "0.1.0+abc")
     assert first.logged_steps() == set()
     first.log_step(0, {"val/accuracy": 0.25})
-    first.log_step(1, {"timing_s/step": 1.5, "critic/score/mean": 0.5, "bad": math.nan,
-                       "flag": True, "step": 1})  # fmt: skip
+    first.log_step(
+        1,
+        {"timing_s/step": 1.5, "critic/score/mean": 0.5, "bad": math.nan, "flag": True, "step": 1},
+    )
     # the driver dies; the resumed flow opens the same MLflow run through run.json
     again = Tracker.open(cfg, store, "flow-2", "0.1.0+abc")
     assert again.run_id == first.run_id == store.read_run()["mlflow_run_id"]
@@ -79,8 +83,10 @@ def test_runs_list_show_compare(tmp_path):
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     for run_id, lr, score in (("run-a", "1e-3", 0.25), ("run-b", "1e-4", 0.5)):
-        cfg = load_config("configs/grpo_tiny.yaml", [f"storage.root={tmp_path}/runs",
-                                                     f"tracking.uri={uri}", f"actor.optim.lr={lr}"])  # fmt: skip
+        cfg = load_config(
+            "configs/grpo_tiny.yaml",
+            [f"storage.root={tmp_path}/runs", f"tracking.uri={uri}", f"actor.optim.lr={lr}"],
+        )
         store = RunStore(cfg.storage, run_id)
         store.write_run({"run_id": run_id})
         tracker = Tracker.open(cfg, store, None, "0.1.0")
@@ -89,8 +95,9 @@ def test_runs_list_show_compare(tmp_path):
     cli = CliRunner()
     out = cli.invoke(app, ["runs", "list", "--tracking-uri", uri], terminal_width=200)
     assert out.exit_code == 0 and "run-a" in out.output and "run-b" in out.output
-    out = cli.invoke(app, ["runs", "compare", "run-a", "run-b", "--tracking-uri", uri],
-                     terminal_width=200)  # fmt: skip
+    out = cli.invoke(
+        app, ["runs", "compare", "run-a", "run-b", "--tracking-uri", uri], terminal_width=200
+    )
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     assert any("actor.optim.lr" in ln and "0.001" in ln and "0.0001" in ln for ln in lines)

@@ -165,8 +165,9 @@ def correction_metrics(
         "rollout_ppl": torch.exp(-masked_mean(rollout_log_probs, m, dim=-1)).mean(),
         "chi2_token": masked_mean(
             torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)).square(), m
-        ) - 1.0,
-    }  # fmt: skip
+        )
+        - 1.0,
+    }
     if weights is not None and m.any():
         mean = masked_mean(weights, m)
         out["rollout_is_mean"] = mean
@@ -207,7 +208,10 @@ def rollout_correction(
     if rejection_modes is not None:
         kept = rejection_mask(log_ratio, response_mask, rejection_modes, rejection_thresholds)
     metrics = correction_metrics(
-        old_log_probs, rollout_log_probs, response_mask, weights,
+        old_log_probs,
+        rollout_log_probs,
+        response_mask,
+        weights,
         kept if rejection_modes is not None else None,
-    )  # fmt: skip
+    )
     return weights, kept, metrics

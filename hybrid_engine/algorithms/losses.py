@@ -154,12 +154,19 @@ def policy_loss(
     ``rollout_is_weights`` (train/rollout mismatch correction, detached) multiplies the
     per-token losses before aggregation."""
     return get_policy_loss(loss_mode).fn(
-        old_log_prob, log_prob, advantages, response_mask,
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-        rollout_is_weights=rollout_is_weights, tau_pos=tau_pos, tau_neg=tau_neg,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
         loss_scale_factor=loss_scale_factor,
-    )  # fmt: skip
+    )
 
 
 def _is_weighted(losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
@@ -173,9 +180,19 @@ def _frac(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the losses
 @POLICY_LOSSES.register("vanilla")
 def vanilla_loss(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
-    clip_ratio_c, loss_agg_mode, rollout_is_weights=None, loss_scale_factor=None, **_,
-) -> PolicyLossOut:  # fmt: skip
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    loss_agg_mode,
+    rollout_is_weights=None,
+    loss_scale_factor=None,
+    **_,
+) -> PolicyLossOut:
     """PPO-clip with clip-higher (asymmetric range) and dual-clip.
 
     r = exp(clamp(logp - old, -20, 20));  L1 = -A r;  L2 = -A clamp(r, 1 - low, 1 + high)
@@ -204,9 +221,16 @@ def vanilla_loss(
 
 @POLICY_LOSSES.register("gspo", aggregation="seq-mean-token-mean")
 def gspo_loss(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
-    rollout_is_weights=None, **_,
-) -> PolicyLossOut:  # fmt: skip
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low,
+    clip_ratio_high,
+    rollout_is_weights=None,
+    **_,
+) -> PolicyLossOut:
     """GSPO: PPO-clip on the sequence's length-normalised ratio; always seq-mean-token-mean.
 
     log s_i = sum_t m (logp - old) / |y_i|   (the geometric mean of the token ratios)
@@ -223,15 +247,28 @@ def gspo_loss(
     losses = _is_weighted(torch.maximum(losses1, losses2), rollout_is_weights)
     pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean")
     zero = torch.zeros((), device=pg_loss.device)
-    return (pg_loss, _frac(losses2 > losses1, response_mask),
-            masked_mean(-neg_kl, response_mask).detach(), zero)  # fmt: skip
+    return (
+        pg_loss,
+        _frac(losses2 > losses1, response_mask),
+        masked_mean(-neg_kl, response_mask).detach(),
+        zero,
+    )
 
 
 @POLICY_LOSSES.register("cispo")
 def cispo_loss(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
-    loss_agg_mode, rollout_is_weights=None, loss_scale_factor=None, **_,
-) -> PolicyLossOut:  # fmt: skip
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low,
+    clip_ratio_high,
+    loss_agg_mode,
+    rollout_is_weights=None,
+    loss_scale_factor=None,
+    **_,
+) -> PolicyLossOut:
     """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio.
 
     r = exp(clamp(logp - old, -20, 20));  loss = agg -sg[clamp(r, 1 - low, 1 + high)] A logp
@@ -243,15 +280,26 @@ def cispo_loss(
     losses = _is_weighted(-clipped.detach() * advantages * log_prob, rollout_is_weights)
     pg_loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale_factor)
     zero = torch.zeros((), device=pg_loss.device)
-    return (pg_loss, _frac(ratio != clipped, response_mask),
-            masked_mean(-log_ratio, response_mask).detach(), zero)  # fmt: skip
+    return (
+        pg_loss,
+        _frac(ratio != clipped, response_mask),
+        masked_mean(-log_ratio, response_mask).detach(),
+        zero,
+    )
 
 
 @POLICY_LOSSES.register("geo_mean", aggregation="seq-mean")
 def geo_mean_loss(
-    old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
-    rollout_is_weights=None, **_,
-) -> PolicyLossOut:  # fmt: skip
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    clip_ratio_low,
+    clip_ratio_high,
+    rollout_is_weights=None,
+    **_,
+) -> PolicyLossOut:
     """GMPO: the geometric mean of token-clipped ratios; a plain mean over sequences.
 
     d = logp - old (no clamp);  d' = sign(A) min(sign(A) d, sign(A) clamp(d, -low, high))
@@ -271,16 +319,26 @@ def geo_mean_loss(
         log_w = masked_sum(torch.log(rollout_is_weights + 1e-10), response_mask, dim=-1)
         losses = losses * torch.exp(log_w / length)
     clipped = neg_kl != clamped
-    return (losses.mean(), _frac(clipped & (advantages > 0), response_mask),
-            masked_mean(-neg_kl, response_mask).detach(),
-            _frac(clipped & (advantages < 0), response_mask))  # fmt: skip
+    return (
+        losses.mean(),
+        _frac(clipped & (advantages > 0), response_mask),
+        masked_mean(-neg_kl, response_mask).detach(),
+        _frac(clipped & (advantages < 0), response_mask),
+    )
 
 
 @POLICY_LOSSES.register("gpg")
 def gpg_loss(
-    old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode,
-    rollout_is_weights=None, loss_scale_factor=None, **_,
-) -> PolicyLossOut:  # fmt: skip
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    loss_agg_mode,
+    rollout_is_weights=None,
+    loss_scale_factor=None,
+    **_,
+) -> PolicyLossOut:
     """GPG: plain policy gradient, no ratio and no clipping: loss = agg -logp A.
 
     (verl reports no diagnostics for it: clipfrac 0, ppo_kl = mean(old - logp) for reference.)
@@ -294,9 +352,16 @@ def gpg_loss(
 
 @POLICY_LOSSES.register("sapo", aggregation="seq-mean-token-mean")
 def sapo_loss(
-    old_log_prob, log_prob, advantages, response_mask, *, tau_pos, tau_neg,
-    rollout_is_weights=None, **_,
-) -> PolicyLossOut:  # fmt: skip
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    tau_pos,
+    tau_neg,
+    rollout_is_weights=None,
+    **_,
+) -> PolicyLossOut:
     """SAPO: a smooth sigmoid gate on the token ratio instead of a hard clip.
 
     r = exp(clamp(logp - old, -20, 20));  tau = tau_pos if A > 0 else tau_neg

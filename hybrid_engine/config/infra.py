@@ -32,11 +32,13 @@ class TrainerConfig(Section):
         "local", description="local = roles in this process; ray = the persistent worker pool"
     )
     max_staleness: int = Field(
-        0, ge=0, description="asynchronous (off-policy) training: the rollout of step N+k uses "
+        0,
+        ge=0,
+        description="asynchronous (off-policy) training: the rollout of step N+k uses "
         "weights version N-1, so it runs while steps N..N+k-1 train; 0 = synchronous. > 0 "
         "puts generation in its own pool group (trainer.backend=ray, ray.rollout=separate) and "
         "corrects the staleness with algorithm.rollout_correction (level token if unset)",
-    )  # fmt: skip
+    )
     run_id: str | None = Field(None, description="None = <preset>-<timestamp>")
     num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
     deterministic: bool = Field(
@@ -79,9 +81,10 @@ class StorageConfig(Section):
         4, ge=0, description="botocore retries of one S3 request (standard mode, with backoff)"
     )
     shared_filesystem: bool = Field(
-        False, description="a local root is on a filesystem every Ray node mounts (NFS, "
+        False,
+        description="a local root is on a filesystem every Ray node mounts (NFS, "
         "Lustre, ...): a pool across several nodes may use it",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -113,9 +116,10 @@ class TrackingConfig(Section):
 
     enabled: bool = Field(True, description="log the run to MLflow")
     uri: str | None = Field(
-        None, description="tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db "
+        None,
+        description="tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db "
         "in the working directory",
-    )  # fmt: skip
+    )
     experiment: str = Field("hybridrl", min_length=1, description="MLflow experiment name")
 
     val_samples: int = Field(
@@ -129,30 +133,38 @@ class RegistryConfig(Section):
     `champion`."""
 
     register_final: bool = Field(
-        True, description="register final/ as a version of model_name when the run ends "
+        True,
+        description="register final/ as a version of model_name when the run ends "
         "(needs tracking.enabled)",
-    )  # fmt: skip
+    )
     model_name: str = Field("hybridrl-policy", min_length=1, description="registered model name")
     eval_k: int = Field(4, ge=1, description="samples per held-out question for pass@k, maj@k")
     promotion_margin: float = Field(
         0.01, description="accuracy a version must add to the champion's to take the alias"
     )
     min_format_rate: float = Field(
-        0.5, ge=0, le=1, description="share of greedy responses with an extractable final "
+        0.5,
+        ge=0,
+        le=1,
+        description="share of greedy responses with an extractable final "
         "answer a version needs to be promoted",
-    )  # fmt: skip
+    )
     min_length_ratio: float = Field(
-        0.5, ge=0, description="mean response length at least this times the champion's "
-        "(else collapsed)",
-    )  # fmt: skip
+        0.5,
+        ge=0,
+        description="mean response length at least this times the champion's (else collapsed)",
+    )
     max_length_ratio: float = Field(
-        2.0, gt=0, description="mean response length at most this times the champion's "
-        "(else exploded)",
-    )  # fmt: skip
+        2.0,
+        gt=0,
+        description="mean response length at most this times the champion's (else exploded)",
+    )
     max_clip_ratio: float = Field(
-        0.5, ge=0, le=1, description="share of greedy responses cut at the token limit a "
-        "version may have",
-    )  # fmt: skip
+        0.5,
+        ge=0,
+        le=1,
+        description="share of greedy responses cut at the token limit a version may have",
+    )
 
 
 class PipelineConfig(Section):
@@ -164,20 +176,26 @@ class PipelineConfig(Section):
         2.0, ge=0, description="first retry delay; doubles on each further retry"
     )
     max_recoveries: int = Field(
-        3, ge=0, description="dead or hung workers recovered from per flow run (pool "
-        "re-created, last checkpoint restored); one more fails the run"
-    )  # fmt: skip
+        3,
+        ge=0,
+        description="dead or hung workers recovered from per flow run (pool "
+        "re-created, last checkpoint restored); one more fails the run",
+    )
     recovery_delay_s: float = Field(
         5.0, ge=0, description="wait before re-creating the pool; doubles on each recovery"
     )
     stage_timeout_s: float = Field(
-        300, gt=0, description="floor of a stage's time limit on the pool; a worker that "
-        "does not answer within the limit is declared hung"
-    )  # fmt: skip
+        300,
+        gt=0,
+        description="floor of a stage's time limit on the pool; a worker that "
+        "does not answer within the limit is declared hung",
+    )
     stage_timeout_factor: float = Field(
-        5.0, ge=1, description="a stage's limit: this times the slowest of its last 5 wall "
-        "times (at least stage_timeout_s); before its first run: ray.call_timeout_s"
-    )  # fmt: skip
+        5.0,
+        ge=1,
+        description="a stage's limit: this times the slowest of its last 5 wall "
+        "times (at least stage_timeout_s); before its first run: ray.call_timeout_s",
+    )
 
 
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # not custom ones
@@ -187,9 +205,10 @@ class RayConfig(Section):
     """The persistent worker pool: where it runs and how its roles are placed."""
 
     pool_name: str = Field(
-        "default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        "default",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
         description="names the pool's Ray namespace; drivers with the same name share workers",
-    )  # fmt: skip
+    )
     address: str | None = Field(
         None, description="Ray cluster address; None = $RAY_ADDRESS, else a local head"
     )
@@ -209,32 +228,35 @@ class RayConfig(Section):
     )
     reward_model_dp: int = Field(1, ge=1, description="ranks of a separate reward-model group")
     rollout: Literal["colocated", "separate"] = Field(
-        "colocated", description="generation in the actor ranks' processes (hybrid engine), "
+        "colocated",
+        description="generation in the actor ranks' processes (hybrid engine), "
         "or in its own group fed the trainer's weights after each update (asynchronous "
         "training needs it)",
-    )  # fmt: skip
+    )
     rollout_dp: int = Field(1, ge=1, description="replicas of a separate rollout group")
     placement: Literal["pack", "spread", "strict_spread"] = Field(
-        "pack", description="how each group's ranks are placed on the cluster's nodes (a Ray "
+        "pack",
+        description="how each group's ranks are placed on the cluster's nodes (a Ray "
         "placement group per group): pack = as few nodes as fit, spread = across nodes where "
         "possible, strict_spread = every rank on its own node",
-    )  # fmt: skip
+    )
     actor_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources each actor rank needs, e.g. "
+        default_factory=dict,
+        description="custom Ray resources each actor rank needs, e.g. "
         '{"trainer": 1} pins the actor group to nodes started with that resource',
-    )  # fmt: skip
+    )
     critic_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources each rank of a separate critic "
-        "group needs",
-    )  # fmt: skip
+        default_factory=dict,
+        description="custom Ray resources each rank of a separate critic group needs",
+    )
     rollout_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources each replica of a separate "
-        "rollout group needs",
-    )  # fmt: skip
+        default_factory=dict,
+        description="custom Ray resources each replica of a separate rollout group needs",
+    )
     reward_model_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources each rank of a separate "
-        "reward-model group needs",
-    )  # fmt: skip
+        default_factory=dict,
+        description="custom Ray resources each rank of a separate reward-model group needs",
+    )
     call_timeout_s: float = Field(
         3600, gt=0, description="longest wait for one stage call (also the collective timeout)"
     )
@@ -252,9 +274,11 @@ class RayConfig(Section):
         for key in [k for k in type(self).model_fields if k.endswith("_resources")]:
             for name, amount in getattr(self, key).items():
                 if name in RAY_BUILTIN_RESOURCES or not name:
-                    raise ValueError(f"ray.{key}: {name!r} is not a custom resource (CPUs and "
-                                     "GPUs per rank: ray.num_cpus_per_rank / "
-                                     "ray.num_gpus_per_rank)")  # fmt: skip
+                    raise ValueError(
+                        f"ray.{key}: {name!r} is not a custom resource (CPUs and "
+                        "GPUs per rank: ray.num_cpus_per_rank / "
+                        "ray.num_gpus_per_rank)"
+                    )
                 if amount <= 0:
                     raise ValueError(f"ray.{key}.{name}: {amount} must be > 0")
         return self

@@ -212,8 +212,10 @@ def config_reference() -> str:
             if isinstance(value, BaseModel):
                 walk(value, f"{prefix}{name}.")
 
-    defaults = {name: f.get_default(call_default_factory=True)
-                for name, f in HybridConfig.model_fields.items()}  # fmt: skip
+    defaults = {
+        name: f.get_default(call_default_factory=True)
+        for name, f in HybridConfig.model_fields.items()
+    }
     for name, section in defaults.items():
         walk(section, f"{name}.")
     return "\n".join(lines).strip() + "\n"
@@ -235,8 +237,11 @@ def registry_keys() -> dict[str, list[str]]:
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
             regs = [m.registry.var for m in field.metadata if isinstance(m, RegisteredName)]
             for arg in get_args(field.annotation):  # `ISLevel | None`
-                regs += [m.registry.var for m in getattr(arg, "__metadata__", ())
-                         if isinstance(m, RegisteredName)]  # fmt: skip
+                regs += [
+                    m.registry.var
+                    for m in getattr(arg, "__metadata__", ())
+                    if isinstance(m, RegisteredName)
+                ]
             for var in regs + ([extra["registry"]] if "registry" in extra else []):
                 out.setdefault(var, []).append(prefix + name)
             sub = field.annotation
@@ -255,8 +260,11 @@ def registries_reference() -> str:
     for reg in REGISTRIES:
         used = ", ".join(f"`{k}`" for k in keys.get(reg.var, [])) or "—"
         lines += ["", f"## {reg.kind[0].upper()}{reg.kind[1:]}s", ""]
-        lines += [f"Config: {used}. Yours: `@{reg.var}.register(\"name\")` (`hybrid_engine.registry`) "
-                  "in a module listed in `algorithm.plugins`.", ""]  # fmt: skip
+        lines += [
+            f'Config: {used}. Yours: `@{reg.var}.register("name")` (`hybrid_engine.registry`) '
+            "in a module listed in `algorithm.plugins`.",
+            "",
+        ]
         lines += ["| name | what | registered with |", "| --- | --- | --- |"]
         for name in reg:
             info = dict(reg.info(name))

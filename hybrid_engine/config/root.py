@@ -144,13 +144,17 @@ class HybridConfig(BaseSettings):
             return self
         k = f"trainer.max_staleness={self.trainer.max_staleness}"
         if not ROLLOUT_BACKENDS.info(self.rollout.name)["separate_group"]:
-            raise ValueError(f"{k} with rollout.name={self.rollout.name}: feeding a separate "
-                             "vLLM rollout group is not built yet; use rollout.name=hf")  # fmt: skip
+            raise ValueError(
+                f"{k} with rollout.name={self.rollout.name}: feeding a separate "
+                "vLLM rollout group is not built yet; use rollout.name=hf"
+            )
         fg = self.algorithm.filter_groups.enabled
         if fg and self.reward.model_path is not None and self.ray.reward_model == "colocated":
-            raise ValueError(f"{k} with algorithm.filter_groups and a reward model: dynamic "
-                             "sampling scores while the trainer runs; set "
-                             "ray.reward_model=separate")  # fmt: skip
+            raise ValueError(
+                f"{k} with algorithm.filter_groups and a reward model: dynamic "
+                "sampling scores while the trainer runs; set "
+                "ray.reward_model=separate"
+            )
         self.trainer.backend = "ray"
         self.ray.rollout = "separate"
         if not self.algorithm.rollout_correction.enabled:
@@ -161,18 +165,34 @@ class HybridConfig(BaseSettings):
     def _check_batch_sizes(self) -> HybridConfig:
         n = self.samples_per_step
         checks = [
-            ("actor.ppo_mini_batch_size", self.actor.ppo_mini_batch_size, n,
-             "data.train_batch_size * rollout.n"),
-            ("actor.ppo_micro_batch_size", self.actor.ppo_micro_batch_size,
-             self.actor.ppo_mini_batch_size, "actor.ppo_mini_batch_size"),
-        ]  # fmt: skip
+            (
+                "actor.ppo_mini_batch_size",
+                self.actor.ppo_mini_batch_size,
+                n,
+                "data.train_batch_size * rollout.n",
+            ),
+            (
+                "actor.ppo_micro_batch_size",
+                self.actor.ppo_micro_batch_size,
+                self.actor.ppo_mini_batch_size,
+                "actor.ppo_mini_batch_size",
+            ),
+        ]
         if self.use_critic:
             checks += [
-                ("critic.ppo_mini_batch_size", self.critic.ppo_mini_batch_size, n,
-                 "data.train_batch_size * rollout.n"),
-                ("critic.ppo_micro_batch_size", self.critic.ppo_micro_batch_size,
-                 self.critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size"),
-            ]  # fmt: skip
+                (
+                    "critic.ppo_mini_batch_size",
+                    self.critic.ppo_mini_batch_size,
+                    n,
+                    "data.train_batch_size * rollout.n",
+                ),
+                (
+                    "critic.ppo_micro_batch_size",
+                    self.critic.ppo_micro_batch_size,
+                    self.critic.ppo_mini_batch_size,
+                    "critic.ppo_mini_batch_size",
+                ),
+            ]
         for key, size, total, total_name in checks:
             if size > total or total % size:
                 raise ValueError(
@@ -232,9 +252,12 @@ class HybridConfig(BaseSettings):
         n = self.samples_per_step
         for key, group_dp, size in [
             ("actor.ppo_mini_batch_size", lay.dp, self.actor.ppo_mini_batch_size),
-            ("critic.ppo_mini_batch_size", ranks.get("ray.critic_dp", lay.dp),
-             self.critic.ppo_mini_batch_size),
-        ]:  # fmt: skip
+            (
+                "critic.ppo_mini_batch_size",
+                ranks.get("ray.critic_dp", lay.dp),
+                self.critic.ppo_mini_batch_size,
+            ),
+        ]:
             if key.startswith("critic") and not self.use_critic:
                 continue
             if size % group_dp or n % group_dp:
@@ -247,8 +270,14 @@ class HybridConfig(BaseSettings):
         ]
         if self.use_critic:
             c = self.critic
-            per_rank.append(("critic", ranks.get("ray.critic_dp", lay.dp), c.ppo_mini_batch_size,
-                             c.ppo_micro_batch_size))  # fmt: skip
+            per_rank.append(
+                (
+                    "critic",
+                    ranks.get("ray.critic_dp", lay.dp),
+                    c.ppo_mini_batch_size,
+                    c.ppo_micro_batch_size,
+                )
+            )
         for role, group_dp, mini, micro in per_rank:
             if (mini // group_dp) % micro:
                 raise ValueError(

@@ -123,10 +123,17 @@ class LoraSettings(Section):
     alpha: float = Field(16.0, gt=0, description="scaling: the update is alpha / r * B A")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                 "gate_proj", "up_proj", "down_proj"],
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
         description="names of the linear layers that get adapters",
-    )  # fmt: skip
+    )
 
 
 class ActorConfig(Section):

@@ -39,9 +39,13 @@ def response_log_probs(
         use_cache=False,
     )
     hidden = out.hidden_states[-1][:, -response_len - 1 : -1]  # (rows, response_len, hidden)
-    logp, ent = head_log_probs(model.get_output_embeddings(), hidden.reshape(-1, hidden.shape[-1]),
-                               input_ids[:, -response_len:].reshape(-1), temperature,
-                               with_entropy)  # fmt: skip
+    logp, ent = head_log_probs(
+        model.get_output_embeddings(),
+        hidden.reshape(-1, hidden.shape[-1]),
+        input_ids[:, -response_len:].reshape(-1),
+        temperature,
+        with_entropy,
+    )
     return logp.view(rows, response_len), None if ent is None else ent.view(rows, response_len)
 
 
@@ -60,8 +64,7 @@ def head_log_probs(
     memory traffic: the vocabulary-sized work runs on row chunks that stay in cache, and the
     backward pass writes dL/dz over the saved logits (see `_HeadLogProbs`).
     """
-    return _HeadLogProbs.apply(hidden, head.weight, head.bias, targets, temperature,
-                               with_entropy)  # fmt: skip
+    return _HeadLogProbs.apply(hidden, head.weight, head.bias, targets, temperature, with_entropy)
 
 
 _CHUNK_ROWS = 32  # 32 x 49k float32 logits = 6 MB: the L2 caches of two cores (bench: 16-64 alike)
@@ -185,9 +188,14 @@ def packed_response_log_probs(
     visible = (row[:, None, :] == -1) | (row[:, :, None] == row[:, None, :])
     mask4d = (visible & torch.ones_like(visible[0]).tril())[:, None]
     srcs = torch.cat(src_of, 1)
-    out = model(input_ids=ids_t, attention_mask=mask4d, position_ids=pos_t,
-                logits_to_keep=torch.zeros_like(row, dtype=torch.bool),
-                output_hidden_states=True, use_cache=False)  # fmt: skip
+    out = model(
+        input_ids=ids_t,
+        attention_mask=mask4d,
+        position_ids=pos_t,
+        logits_to_keep=torch.zeros_like(row, dtype=torch.bool),
+        output_hidden_states=True,
+        use_cache=False,
+    )
     hidden = out.hidden_states[-1][srcs[0], srcs[1]]  # one row per response token
     head = model.get_output_embeddings()
     lp, ent = head_log_probs(head, hidden, resp[r_mask], temperature, with_entropy)

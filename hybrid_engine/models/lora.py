@@ -32,9 +32,13 @@ ADAPTER = "default"  # peft's name of the one adapter
 def lora_config(settings: LoraSettings) -> LoraConfig:
     """peft's config from `actor.lora`."""
     return LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
-    )  # fmt: skip
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def add_lora(model: nn.Module, config: LoraConfig, seed: int) -> nn.Module:

@@ -356,8 +356,12 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     state: dict[str, dict[str, torch.Tensor]] = {}
     groups = []
     for group in optimizer.param_groups:
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": [names[id(p)] for p in group["params"]]})  # fmt: skip
+        groups.append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [names[id(p)] for p in group["params"]],
+            }
+        )
         for p in group["params"]:
             st = optimizer.state.get(p) or {}
             state[names[id(p)]] = {

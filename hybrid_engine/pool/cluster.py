@@ -64,16 +64,24 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
     port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="hrl-ray-", dir="/tmp")  # short: socket paths <108 B
     cmd = [
-        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
-        "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--disable-usage-stats",
-        "--include-dashboard=false", f"--dashboard-port={_free_port()}", f"--temp-dir={temp_dir}",
-    ]  # fmt: skip
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--head",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        f"--num-cpus={num_cpus}",
+        "--disable-usage-stats",
+        "--include-dashboard=false",
+        f"--dashboard-port={_free_port()}",
+        f"--temp-dir={temp_dir}",
+    ]
     env = {**os.environ, **RAY_ENV}
     env.pop("HYBRIDRL_FAULT", None)  # crash points are the driver's (storage/faults.py)
     # its own session: the head outlives the driver, and Ctrl-C (SIGINT to the terminal's
     # process group) or a kill of the driver's group does not reach it
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s,
-                          start_new_session=True)  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
+    )
     if proc.returncode != 0:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise PoolError(f"`ray start --head` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -126,8 +134,9 @@ def local_nodes() -> dict[str, dict]:
     )
 
 
-def add_local_node(name: str, num_cpus: int, resources: dict[str, float],
-                   timeout_s: float = 120) -> dict:  # fmt: skip
+def add_local_node(
+    name: str, num_cpus: int, resources: dict[str, float], timeout_s: float = 120
+) -> dict:
     """Another Ray node of the local head's cluster on this machine: its own raylet, object
     store and workers (`hybrid_engine.pool.node`, ports of its own), offering `num_cpus` CPUs
     and the custom `resources`. A real second node of the cluster's topology, sharing the
@@ -138,17 +147,33 @@ def add_local_node(name: str, num_cpus: int, resources: dict[str, float],
     if name in local_nodes():
         raise PoolError(f"a local node named {name!r} exists; remove it first")
     temp_dir = tempfile.mkdtemp(prefix=f"hrl-ray-{name}-", dir="/tmp")
-    ports = ("node_manager_port", "object_manager_port", "dashboard_agent_listen_port",
-             "metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")  # fmt: skip
-    config = {"name": name, "num_cpus": num_cpus, "resources": resources, "temp_dir": temp_dir,
-              "ports": {p: _free_port() for p in ports}}  # fmt: skip
+    ports = (
+        "node_manager_port",
+        "object_manager_port",
+        "dashboard_agent_listen_port",
+        "metrics_agent_port",
+        "metrics_export_port",
+        "runtime_env_agent_port",
+    )
+    config = {
+        "name": name,
+        "num_cpus": num_cpus,
+        "resources": resources,
+        "temp_dir": temp_dir,
+        "ports": {p: _free_port() for p in ports},
+    }
     env = {**os.environ, **RAY_ENV}
     env.pop("HYBRIDRL_FAULT", None)
     log = Path(temp_dir) / "start.log"  # a file, not a pipe: the raylet would hold a pipe open
     with log.open("w") as out:
-        proc = subprocess.run([sys.executable, "-m", "hybrid_engine.pool.node", head,
-                               json.dumps(config)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                              timeout=timeout_s, start_new_session=True)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybrid_engine.pool.node", head, json.dumps(config)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            start_new_session=True,
+        )
     if proc.returncode != 0:
         _end(_head_processes(temp_dir), kill=True)
         text = log.read_text()[-2000:]

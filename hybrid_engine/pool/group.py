@@ -164,6 +164,14 @@ class WorkerGroup:
             try:
                 out.append(ray.get(h.info.remote(), timeout=timeout_s))
             except (RayActorError, GetTimeoutError) as e:
-                out.append({"name": f"{self.name}-{i}", "group": self.name, "rank": i,
-                            "pid": self.pids[i], "healthy": False, "error": type(e).__name__})  # fmt: skip
+                out.append(
+                    {
+                        "name": f"{self.name}-{i}",
+                        "group": self.name,
+                        "rank": i,
+                        "pid": self.pids[i],
+                        "healthy": False,
+                        "error": type(e).__name__,
+                    }
+                )
         return out

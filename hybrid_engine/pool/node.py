@@ -22,10 +22,14 @@ import ray._private.parameter
 
 def main(gcs_address: str, config: dict) -> None:
     params = ray._private.parameter.RayParams(
-        node_ip_address="127.0.0.1", node_name=config["name"], gcs_address=gcs_address,
-        num_cpus=config["num_cpus"], resources=config["resources"],
-        temp_dir=config["temp_dir"], **config["ports"],
-    )  # fmt: skip
+        node_ip_address="127.0.0.1",
+        node_name=config["name"],
+        gcs_address=gcs_address,
+        num_cpus=config["num_cpus"],
+        resources=config["resources"],
+        temp_dir=config["temp_dir"],
+        **config["ports"],
+    )
     ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
     print("node started", flush=True)
 

@@ -56,14 +56,20 @@ def reserve(cfg: HybridConfig, group: str, ranks: int, timeout_s: float) -> Plac
     with contextlib.suppress(ValueError):  # one left by a pool torn down half-way
         remove_placement_group(get_placement_group(name))
     want = bundle(cfg, group)
-    where = (f"pool {cfg.ray.pool_name!r}: group {group} needs {ranks} x {want} "
-             f"(ray.placement={cfg.ray.placement})")  # fmt: skip
+    where = (
+        f"pool {cfg.ray.pool_name!r}: group {group} needs {ranks} x {want} "
+        f"(ray.placement={cfg.ray.placement})"
+    )
     nodes = alive_nodes()
     why = never_fits(cfg.ray.placement, ranks, want, nodes)
     if why:
         raise _unplaceable(where, why, nodes)
-    pg = placement_group([dict(want) for _ in range(ranks)], strategy=STRATEGY[cfg.ray.placement],
-                         name=name, lifetime="detached")  # fmt: skip
+    pg = placement_group(
+        [dict(want) for _ in range(ranks)],
+        strategy=STRATEGY[cfg.ray.placement],
+        name=name,
+        lifetime="detached",
+    )
     # While it waits, the nodes are looked at again every second: a node lost just before
     # (Ray marks it dead only after missed health checks) makes it unplaceable later.
     ready, deadline = pg.ready(), time.monotonic() + timeout_s
@@ -74,9 +80,11 @@ def reserve(cfg: HybridConfig, group: str, ranks: int, timeout_s: float) -> Plac
             remove_placement_group(pg)
             if why:
                 raise _unplaceable(where, why, nodes)
-            raise PoolError(f"{where}: the nodes could hold it but their free resources did "
-                            f"not within ray.start_timeout_s={timeout_s:g} s (other pools or "
-                            "tasks use them; `hybridrl cluster status`)")  # fmt: skip
+            raise PoolError(
+                f"{where}: the nodes could hold it but their free resources did "
+                f"not within ray.start_timeout_s={timeout_s:g} s (other pools or "
+                "tasks use them; `hybridrl cluster status`)"
+            )
     return pg
 
 
@@ -84,8 +92,9 @@ def _unplaceable(where: str, why: str, nodes: list[dict[str, Any]]) -> PoolError
     return PoolError(f"{where} but {why} ({len(nodes)} alive node(s); `hybridrl cluster status`)")
 
 
-def never_fits(placement: str, ranks: int, want: dict[str, float],
-               nodes: list[dict[str, Any]]) -> str | None:  # fmt: skip
+def never_fits(
+    placement: str, ranks: int, want: dict[str, float], nodes: list[dict[str, Any]]
+) -> str | None:
     """Why `ranks` bundles of `want` cannot be placed on these nodes even when they are idle
     (None if they can)."""
     missing = [k for k in want if not any(n["resources"].get(k, 0) >= want[k] for n in nodes)]
@@ -116,8 +125,14 @@ def alive_nodes() -> list[dict[str, Any]]:
     out = []
     for n in ray.nodes():
         if n.get("Alive"):
-            out.append({"node_id": n["NodeID"], "address": n["NodeManagerAddress"],
-                        "head": "node:__internal_head__" in n["Resources"],
-                        "resources": {k: v for k, v in n["Resources"].items()
-                                      if not k.startswith("node:")}})  # fmt: skip
+            out.append(
+                {
+                    "node_id": n["NodeID"],
+                    "address": n["NodeManagerAddress"],
+                    "head": "node:__internal_head__" in n["Resources"],
+                    "resources": {
+                        k: v for k, v in n["Resources"].items() if not k.startswith("node:")
+                    },
+                }
+            )
     return out

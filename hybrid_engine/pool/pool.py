@@ -89,8 +89,11 @@ class Pool:
         """The running pool, or None if it has no workers; a partial or mismatched pool raises."""
         ns, name = cls.namespace(cfg.ray.pool_name), cfg.ray.pool_name
         plan = group_plan(cfg)
-        found = {w["name"] for w in ray.util.list_named_actors(all_namespaces=True)
-                 if w["namespace"] == ns}  # fmt: skip
+        found = {
+            w["name"]
+            for w in ray.util.list_named_actors(all_namespaces=True)
+            if w["namespace"] == ns
+        }
         if not found:
             return None
         wanted = {f"{g}-{r}" for g, (ranks, _) in plan.items() for r in range(ranks)}
@@ -165,13 +168,16 @@ class Pool:
             env = {**REUSE_FREED_MEMORY_ENV, **r.worker_env} if reuse else r.worker_env
             handles = [
                 RemoteWorker.options(
-                    name=f"{g}-{rank}", namespace=ns, lifetime="detached",
-                    num_cpus=r.num_cpus_per_rank, num_gpus=r.num_gpus_per_rank,
+                    name=f"{g}-{rank}",
+                    namespace=ns,
+                    lifetime="detached",
+                    num_cpus=r.num_cpus_per_rank,
+                    num_gpus=r.num_gpus_per_rank,
                     runtime_env={"env_vars": env},
                     scheduling_strategy=placement.strategy(pgs[g], rank),
                 ).remote(cfg, g, rank, ranks, roles)
                 for rank in range(ranks)
-            ]  # fmt: skip
+            ]
             groups[g] = WorkerGroup(cfg, g, handles)
         pool = cls(cfg, groups)
         try:
@@ -248,8 +254,11 @@ def down(pool_name: str, stop_head: bool = True) -> list[str]:
     while find_workers(pool_name) and time.monotonic() < deadline:  # names are released
         time.sleep(0.1)
     placement.release(pool_name, list(placement.RESOURCES_KEY))  # every group a pool can have
-    others = [a for a in ray.util.list_named_actors(all_namespaces=True)
-              if a["namespace"].startswith("hybridrl-") and a["namespace"] != ns]  # fmt: skip
+    others = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"].startswith("hybridrl-") and a["namespace"] != ns
+    ]
     if stop_head and not others and not (os.environ.get("RAY_ADDRESS")):
         stop_local_head()
     return killed

@@ -39,8 +39,10 @@ class RoleProxy:
             return None
         if not parts:
             return None
-        return {"tokens": sum(p["tokens"] for p in parts),
-                "seconds": max(p["seconds"] for p in parts)}  # fmt: skip
+        return {
+            "tokens": sum(p["tokens"] for p in parts),
+            "seconds": max(p["seconds"] for p in parts),
+        }
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         return self.group.call_split(self.role, "compute_ref_log_prob", _inputs(batch))
@@ -105,8 +107,13 @@ class RoleProxy:
 
 INPUT_KEYS = ("input_ids", "attention_mask", "response_mask")
 TRAIN_KEYS = INPUT_KEYS + (
-    "advantages", "returns", "values", "old_log_probs", "ref_log_prob", "rollout_is_weights",
-)  # fmt: skip
+    "advantages",
+    "returns",
+    "values",
+    "old_log_probs",
+    "ref_log_prob",
+    "rollout_is_weights",
+)
 
 
 def _inputs(batch: Batch) -> Batch:

@@ -38,9 +38,11 @@ class RolloutReplica:
             add_lora(self.policy, lora_config(cfg.actor.lora), cfg.trainer.seed)
         self.policy.requires_grad_(False)
         self.rollout = HFRollout(
-            self.policy, tokenizer.pad_token_id, tokenizer.eos_token_id,
+            self.policy,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
             cfg.rollout.micro_batch_size,
-        )  # fmt: skip
+        )
         self.weights_version = -1  # none received yet: the first rollout loads version 0 too
 
     def configure(self, cfg: HybridConfig) -> None:

@@ -26,12 +26,17 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
         "actor.layout": cfg.actor.layout.model_dump(),
         "actor.optim": cfg.actor.optim.model_dump(),
         "actor.lora": cfg.actor.lora.model_dump(),
-        "critic": cfg.use_critic and {
-            "model_path": cfg.critic.model_path, "optim": cfg.critic.optim.model_dump(),
-            "placement": cfg.ray.critic, "dp": cfg.ray.critic_dp,
+        "critic": cfg.use_critic
+        and {
+            "model_path": cfg.critic.model_path,
+            "optim": cfg.critic.optim.model_dump(),
+            "placement": cfg.ray.critic,
+            "dp": cfg.ray.critic_dp,
         },
-        "reward_model": cfg.use_reward_model and {
-            "model_path": cfg.reward.model_path, "placement": cfg.ray.reward_model,
+        "reward_model": cfg.use_reward_model
+        and {
+            "model_path": cfg.reward.model_path,
+            "placement": cfg.ray.reward_model,
             "dp": cfg.ray.reward_model_dp,
         },
         "rollout_group": cfg.separate_rollout and {"dp": cfg.ray.rollout_dp},
@@ -41,7 +46,7 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
         "resources": [cfg.ray.num_cpus_per_rank, cfg.ray.num_gpus_per_rank],
         "placement": cfg.ray.placement,
         "custom_resources": {g: getattr(cfg.ray, k) for g, k in RESOURCES_KEY.items()},
-    }  # fmt: skip
+    }
 
 
 def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
@@ -95,8 +100,12 @@ class Worker:
     def build(self) -> None:
         """(Re)create the roles from the config: fresh weights, optimizer and version 0."""
         tokenizer = load_tokenizer(self.cfg.model)
-        make = {"actor": ActorRolloutRef, "critic": Critic, "rm": RewardModel,
-                "rollout": RolloutReplica}  # fmt: skip
+        make = {
+            "actor": ActorRolloutRef,
+            "critic": Critic,
+            "rm": RewardModel,
+            "rollout": RolloutReplica,
+        }
         self.roles = {}  # free the old models first
         self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
         self.error = None
@@ -142,13 +151,19 @@ class Worker:
     def info(self) -> dict:
         mem = psutil.Process().memory_info().rss
         out = {
-            "name": f"{self.group}-{self.rank}", "group": self.group, "rank": self.rank,
-            "world": self.world, "roles": self.role_names, "pid": os.getpid(),
+            "name": f"{self.group}-{self.rank}",
+            "group": self.group,
+            "rank": self.rank,
+            "world": self.world,
+            "roles": self.role_names,
+            "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(), "rss_gb": mem / 1024**3,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "rss_gb": mem / 1024**3,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
-            "healthy": bool(self.roles) and self.error is None, "error": self.error,
-        }  # fmt: skip
+            "healthy": bool(self.roles) and self.error is None,
+            "error": self.error,
+        }
         for name, role in self.roles.items():
             out[name] = role.info()
         for role in ("actor", "rollout"):  # a rollout replica: the version it generates with

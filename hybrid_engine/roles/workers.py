@@ -212,18 +212,31 @@ class ActorRolloutRef:
             old = logp.detach() if old is None else old[:, :keep]
             is_weights = micro.tensors.get("rollout_is_weights")
             pg, clipfrac, ppo_kl, clip_lower = policy_loss(
-                old, logp, micro["advantages"][:, :keep], mask,
-                a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
-                a.policy_loss.mode, None if is_weights is None else is_weights[:, :keep],
-                a.policy_loss.tau_pos, a.policy_loss.tau_neg, scale,
-            )  # fmt: skip
+                old,
+                logp,
+                micro["advantages"][:, :keep],
+                mask,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_c,
+                a.loss_agg_mode,
+                a.policy_loss.mode,
+                None if is_weights is None else is_weights[:, :keep],
+                a.policy_loss.tau_pos,
+                a.policy_loss.tau_neg,
+                scale,
+            )
             entropy = agg_loss(ent, mask, a.loss_agg_mode, scale)
             parts = [(pg, pg_agg)]
             if a.entropy_coeff:  # with no bonus the entropy is a metric only: no backward
                 parts.append((-a.entropy_coeff * entropy, a.loss_agg_mode))
-            stats = {"actor/pg_loss": pg, "actor/pg_clipfrac": clipfrac,
-                     "actor/pg_clipfrac_lower": clip_lower, "actor/ppo_kl": ppo_kl,
-                     "actor/entropy": entropy}  # fmt: skip
+            stats = {
+                "actor/pg_loss": pg,
+                "actor/pg_clipfrac": clipfrac,
+                "actor/pg_clipfrac_lower": clip_lower,
+                "actor/ppo_kl": ppo_kl,
+                "actor/entropy": entropy,
+            }
             if a.use_kl_loss:
                 kl = kl_penalty(logp, micro["ref_log_prob"][:, :keep], a.kl_loss_type)
                 stats["actor/kl_loss"] = agg_loss(kl, mask, a.loss_agg_mode, scale)
@@ -232,10 +245,18 @@ class ActorRolloutRef:
 
         try:
             metrics = ppo_updates(
-                self.policy, self.optimizer, self.scheduler, batch, loss_fn, "actor",
-                a.ppo_epochs, a.ppo_mini_batch_size // world_size(), a.ppo_micro_batch_size,
-                a.optim.grad_clip, a.skip_nonfinite_steps,
-            )  # fmt: skip
+                self.policy,
+                self.optimizer,
+                self.scheduler,
+                batch,
+                loss_fn,
+                "actor",
+                a.ppo_epochs,
+                a.ppo_mini_batch_size // world_size(),
+                a.ppo_micro_batch_size,
+                a.optim.grad_clip,
+                a.skip_nonfinite_steps,
+            )
         except NonFiniteUpdate as e:
             step = self.weights_version + 1
             self.invalidate()
@@ -254,16 +275,30 @@ class ActorRolloutRef:
         """Weights, optimizer, scheduler and RNG state under `url` (all ranks call it);
         returns {file name: sha256} of what this rank wrote."""
         extra = {"weights_version": self.weights_version, "weights_run": self.weights_run}
-        return save_state(url, self.policy, self.optimizer, self.scheduler, extra,
-                          storage_options, trainable_only=self.lora is not None)  # fmt: skip
+        return save_state(
+            url,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            extra,
+            storage_options,
+            trainable_only=self.lora is not None,
+        )
 
     def load(
         self, url: str, storage_options: dict | None = None, expected: dict | None = None
     ) -> int:
         """Restore what `save` wrote (checked against `expected` sha256 sums when given);
         returns the restored weights version."""
-        extra = load_state(url, self.policy, self.optimizer, self.scheduler, storage_options,
-                           expected, trainable_only=self.lora is not None)  # fmt: skip
+        extra = load_state(
+            url,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            storage_options,
+            expected,
+            trainable_only=self.lora is not None,
+        )
         self.weights_version = int(extra["weights_version"])
         self.weights_run = extra.get("weights_run")
         self.pushed_version = -1
@@ -338,20 +373,34 @@ class Critic:
         def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
             vpreds = self._values(small)
             vf_loss, vf_clipfrac = value_loss(
-                vpreds, micro["values"][:, :keep], micro["returns"][:, :keep],
-                small["response_mask"], c.cliprange_value, c.loss_agg_mode, scale,
-            )  # fmt: skip
+                vpreds,
+                micro["values"][:, :keep],
+                micro["returns"][:, :keep],
+                small["response_mask"],
+                c.cliprange_value,
+                c.loss_agg_mode,
+                scale,
+            )
             vpred_mean = masked_mean(vpreds.detach(), small["response_mask"])
             return [(vf_loss, c.loss_agg_mode)], {
-                "critic/vf_loss": vf_loss, "critic/vf_clipfrac": vf_clipfrac,
+                "critic/vf_loss": vf_loss,
+                "critic/vf_clipfrac": vf_clipfrac,
                 "critic/vpred_mean": vpred_mean,
-            }  # fmt: skip
+            }
 
         return ppo_updates(
-            self.model, self.optimizer, self.scheduler, batch, loss_fn, "critic",
-            c.ppo_epochs, c.ppo_mini_batch_size // world_size(), c.ppo_micro_batch_size,
-            c.optim.grad_clip, c.skip_nonfinite_steps,
-        )  # fmt: skip
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            loss_fn,
+            "critic",
+            c.ppo_epochs,
+            c.ppo_mini_batch_size // world_size(),
+            c.ppo_micro_batch_size,
+            c.optim.grad_clip,
+            c.skip_nonfinite_steps,
+        )
 
     def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
         return save_state(url, self.model, self.optimizer, self.scheduler, {}, storage_options)

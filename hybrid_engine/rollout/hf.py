@@ -114,9 +114,14 @@ def decode(
     first = ~repeats_previous_row(prompt_ids, prompt_mask)  # the row starts a new prompt
     distinct = first.nonzero().squeeze(-1)
     mask = prompt_mask[distinct]
-    logits = model(input_ids=prompt_ids[distinct], attention_mask=mask, cache=cache,
-                   position_ids=position_ids_from_mask(mask), use_cache=True,
-                   logits_to_keep=1).logits[:, -1]  # fmt: skip
+    logits = model(
+        input_ids=prompt_ids[distinct],
+        attention_mask=mask,
+        cache=cache,
+        position_ids=position_ids_from_mask(mask),
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
     if len(distinct) < rows:
         prompt_of = first.long().cumsum(0) - 1  # row i <- its prompt's row
         cache.reorder_cache(prompt_of)
@@ -139,9 +144,14 @@ def decode(
         done |= token == eos_token_id
         if t == steps - 1 or bool(done.all()):
             return out[:, : t + 1]
-        logits = model(input_ids=token[:, None], attention_mask=mask[:, : width + t + 1],
-                       position_ids=position + t, cache=cache, use_cache=True,
-                       cache_position=torch.tensor([width + t], device=mask.device)).logits[:, -1]  # fmt: skip
+        logits = model(
+            input_ids=token[:, None],
+            attention_mask=mask[:, : width + t + 1],
+            position_ids=position + t,
+            cache=cache,
+            use_cache=True,
+            cache_position=torch.tensor([width + t], device=mask.device),
+        ).logits[:, -1]
     return out
 
 
@@ -193,8 +203,16 @@ class HFRollout:
                 prompt_ids = part["prompt_ids"].to(device)
                 prompt_mask = part["prompt_mask"].to(device)
                 steps: list[torch.Tensor] | None = [] if sampling.log_probs else None
-                out = decode(self.model, prompt_ids, prompt_mask, sampling, eos, pad,
-                             on_step=self._count, log_probs_out=steps)  # fmt: skip
+                out = decode(
+                    self.model,
+                    prompt_ids,
+                    prompt_mask,
+                    sampling,
+                    eos,
+                    pad,
+                    on_step=self._count,
+                    log_probs_out=steps,
+                )
                 chunks.append(out.cpu())
                 if steps is not None:
                     lp_chunks.append(torch.stack(steps, 1).cpu())

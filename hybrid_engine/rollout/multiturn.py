@@ -57,8 +57,12 @@ class Trajectory:
         return not self.stop
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: Messages,
-           tools: list[dict[str, Any]] | None, generation_prompt: bool) -> str:  # fmt: skip
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Messages,
+    tools: list[dict[str, Any]] | None,
+    generation_prompt: bool,
+) -> str:
     return tokenizer.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
     )
@@ -71,8 +75,12 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def turn_closing(tokenizer: PreTrainedTokenizerBase) -> str:
     """The text the chat template writes after an assistant message's content."""
     probe = "zq-probe-zq"
-    text = render(tokenizer, [{"role": "user", "content": "x"},
-                              {"role": "assistant", "content": probe}], None, False)  # fmt: skip
+    text = render(
+        tokenizer,
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}],
+        None,
+        False,
+    )
     return text[text.rindex(probe) + len(probe) :]
 
 
@@ -141,9 +149,10 @@ def multi_turn_rollout(
         budgets = [max_total_tokens - len(t.ids) for t in active]
         ctx = left_padded([t.prompt_ids + t.ids for t in active], pad)
         turn_sampling = replace(
-            sampling, max_new_tokens=min(sampling.max_new_tokens, max(budgets)),
+            sampling,
+            max_new_tokens=min(sampling.max_new_tokens, max(budgets)),
             seed=sampling.seed + (turn - 1) * TURN_SEED_STRIDE,
-        )  # fmt: skip
+        )
         out = generate(Batch(ctx), turn_sampling)
         gen_s += out.meta["gen_seconds"]
         lps = out.tensors.get("rollout_log_probs")
@@ -177,8 +186,9 @@ def multi_turn_rollout(
             elif turn == max_turns:
                 t.stop = "max_turns"
             else:
-                obs_ids = observation_ids(tokenizer, t.messages, obs, t.tools,
-                                          bool(new) and new[-1] == eos, closing)  # fmt: skip
+                obs_ids = observation_ids(
+                    tokenizer, t.messages, obs, t.tools, bool(new) and new[-1] == eos, closing
+                )
                 if len(t.ids) + len(obs_ids) >= max_total_tokens:  # no room left to answer
                     t.stop = "max_total_tokens"
                 else:
@@ -199,9 +209,14 @@ def left_padded(rows: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
 
 
 def trajectories_batch(
-    prompts: Batch, trajs: list[Trajectory], pad: int, with_log_probs: bool,
-    gen_s: float, env_s: float, turn_rows: list[int],
-) -> Batch:  # fmt: skip
+    prompts: Batch,
+    trajs: list[Trajectory],
+    pad: int,
+    with_log_probs: bool,
+    gen_s: float,
+    env_s: float,
+    turn_rows: list[int],
+) -> Batch:
     """The rollout batch: tensors as a single-turn rollout has them (response = everything
     after the prompt), the conversations and their counts as per-sample fields."""
     width = max(len(t.ids) for t in trajs)
@@ -214,10 +229,12 @@ def trajectories_batch(
     response_mask = right([t.mask for t in trajs], 0, torch.long)
     seen = right([[1] * len(t.ids) for t in trajs], 0, torch.long)
     tensors = {
-        **prompt, "response_ids": response_ids, "response_mask": response_mask,
+        **prompt,
+        "response_ids": response_ids,
+        "response_mask": response_mask,
         "input_ids": torch.cat([prompt["prompt_ids"], response_ids], 1),
         "attention_mask": torch.cat([prompt["prompt_mask"], seen], 1),
-    }  # fmt: skip
+    }
     if with_log_probs:
         tensors["rollout_log_probs"] = right([t.log_probs for t in trajs], 0.0, torch.float32)
     rewards = [[r for r in t.rewards if r is not None] for t in trajs]
@@ -237,9 +254,12 @@ def trajectories_batch(
     }
     tokens = int(response_mask.sum())
     meta = {
-        "gen_tokens": tokens, "gen_seconds": gen_s, "gen_tokens_per_s": tokens / max(gen_s, 1e-9),
-        "env_seconds": env_s, "turn_rows": turn_rows,
-    }  # fmt: skip
+        "gen_tokens": tokens,
+        "gen_seconds": gen_s,
+        "gen_tokens_per_s": tokens / max(gen_s, 1e-9),
+        "env_seconds": env_s,
+        "turn_rows": turn_rows,
+    }
     return Batch(tensors, fields, {**prompts.meta, **meta})
 
 
@@ -260,7 +280,7 @@ def multi_turn_metrics(batch: Batch, prefix: str = "multi_turn/") -> dict[str, f
                 - batch["response_mask"].sum()
             )
             / n
-        ),  # fmt: skip
+        ),
     }
     if known:
         out[f"{prefix}success_rate"] = sum(known) / len(known)
@@ -278,8 +298,10 @@ def multi_turn_scores(
     score is their sum. acc = the environment's `success` where it said, else score >= 1."""
     scores = [
         scored[i] if last is None else sum(r or 0.0 for r in turns) if per_turn else last
-        for i, (last, turns) in enumerate(zip(batch["env_reward"], batch["turn_rewards"], strict=True))
-    ]  # fmt: skip
+        for i, (last, turns) in enumerate(
+            zip(batch["env_reward"], batch["turn_rewards"], strict=True)
+        )
+    ]
     token_scores = token_level_scores(scores, batch["response_mask"])  # on the last token
     if per_turn:  # each turn's reward on its own last token instead
         for i, (last, ends, turns) in enumerate(

@@ -14,6 +14,14 @@ from hybrid_engine.rollout.envs.feedback import FeedbackEnv
 from hybrid_engine.rollout.envs.tools import CalculatorEnv, ToolEnvironment
 
 __all__ = [
-    "ENVIRONMENTS", "CalculatorEnv", "Environment", "FeedbackEnv", "Messages", "Step",
-    "ToolEnvironment", "environment_class", "make_environment", "register_environment",
-]  # fmt: skip
+    "ENVIRONMENTS",
+    "CalculatorEnv",
+    "Environment",
+    "FeedbackEnv",
+    "Messages",
+    "Step",
+    "ToolEnvironment",
+    "environment_class",
+    "make_environment",
+    "register_environment",
+]

@@ -8,10 +8,14 @@ import ast
 import operator
 
 _BINARY = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
     ast.Pow: operator.pow,
-}  # fmt: skip
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 

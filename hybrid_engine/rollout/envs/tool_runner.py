@@ -42,9 +42,12 @@ class ToolRunner:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         return subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, bufsize=0,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            bufsize=0,
+        )
 
     def call(
         self, fn: str, arguments: dict[str, Any], timeout_s: float, max_chars: int

@@ -152,8 +152,9 @@ class ToolEnvironment(Environment):
             elif call[0] not in self.specs:
                 out, failed = f"error: no tool named {call[0]!r} ({', '.join(self.specs)})", True
             else:
-                out, failed = runner().call(self.specs[call[0]], call[1], self.timeout_s,
-                                            self.max_output_chars)  # fmt: skip
+                out, failed = runner().call(
+                    self.specs[call[0]], call[1], self.timeout_s, self.max_output_chars
+                )
             outputs.append(out)
             errors += failed
         if self.protocol == "template":
