@@ -32,7 +32,7 @@ def runs_list(tracking_uri: TrackingUri = None, experiment: Experiment = "hybrid
 
     from rich.table import Table
 
-    from storage.tracking import TrackingUnavailable, list_runs
+    from storage.tracking.runs import TrackingUnavailable, list_runs
 
     try:
         runs = list_runs(tracking_uri, experiment)
@@ -64,7 +64,7 @@ def runs_show(
     run_id: str, tracking_uri: TrackingUri = None, experiment: Experiment = "hybridrl"
 ) -> None:
     """One run: tags (storage, checkpoint, Prefect flow run) and its last metrics."""
-    from storage.tracking import TrackingUnavailable, find_run
+    from storage.tracking.runs import TrackingUnavailable, find_run
 
     try:
         run = find_run(tracking_uri, run_id, experiment)
@@ -85,7 +85,7 @@ def runs_compare(
     """Two runs side by side: the config keys that differ, then their last metrics."""
     from rich.table import Table
 
-    from storage.tracking import (
+    from storage.tracking.runs import (
         CURVE_KEYS,
         TrackingUnavailable,
         compare,
@@ -204,7 +204,7 @@ def runs_delete(
         console.print(f"removed deleted run {parent}: no fork uses its objects any more")
     if doc.get("mlflow_run_id") and doc.get("mlflow_tracking_uri"):
         try:
-            from storage.tracking import client_for
+            from storage.tracking.runs import client_for
 
             client_for(doc["mlflow_tracking_uri"]).delete_run(doc["mlflow_run_id"])
             console.print(f"MLflow run {doc['mlflow_run_id']} marked deleted")

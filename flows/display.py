@@ -171,3 +171,19 @@ class LiveDisplay:
         if self._poller is not None:
             self._poller.join(timeout=10)
             self._poller = None
+
+
+def _fmt(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
+    return format(m[key], spec) if key in m else "-"
+
+
+def step_line(step: int, m: dict[str, Any], results: list[Any]) -> str:
+    skipped = [f"{r.stage} (replayed)" if r.replayed else r.stage for r in results if r.skipped]
+    return (
+        f"step {step:>4}  score {_fmt(m, 'critic/score/mean')}  "
+        f"val_acc {_fmt(m, 'val/accuracy')}  pg_loss {_fmt(m, 'actor/pg_loss', '+.4f')}  "
+        f"entropy {_fmt(m, 'actor/entropy')}  len {_fmt(m, 'response_length/mean', '.1f')}  "
+        f"gen {_fmt(m, 'perf/tokens_per_s_rollout', '.0f')} tok/s  "
+        f"{_fmt(m, 'timing_s/step', '.1f')} s"
+        + (f"  (from storage: {', '.join(skipped)})" if skipped else "")
+    )

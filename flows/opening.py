@@ -15,8 +15,14 @@ may not change what those stages read (`STAGE_READS`), nor what every step reads
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from dataclasses import dataclass
+from importlib.metadata import version as package_version
+from pathlib import Path
 from typing import Any
+
+from prefect import get_run_logger
 
 from hybrid_engine import STAGES
 from hybrid_engine.config import (
@@ -25,10 +31,15 @@ from hybrid_engine.config import (
     config_from_dict,
     flatten,
     load_config,
+    redact,
     redacted_keys,
 )
+from hybrid_engine.engine import Engine
 from storage.lineage import ForkPoint, fork_manifest
 from storage.store import RunStore, new_run_id, validate_run_id
+from tasks.recovery import (
+    driver_record,
+)
 
 # What a resumed run may change: where things live and run, not what is computed.
 RESUME_MAY_CHANGE = (
@@ -258,3 +269,71 @@ def refuse_existing(store: RunStore) -> None:
             f"run {store.run_id!r} already exists in {store.cfg.root}: resume it with "
             f"`hybridrl resume {store.run_id}` or choose another trainer.run_id"
         )
+
+
+def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | None = None) -> None:
+    """run.json of a new run (a fork's with its lineage)."""
+    store.write_run(
+        {
+            "run_id": store.run_id,
+            "config": redact(cfg.model_dump(mode="json")),
+            "code_version": code_version(),
+            "created_at": time.time(),
+            "driver": driver_record(),
+        }
+        | ({"lineage": lineage} if lineage else {})
+    )
+
+
+def log_fork(store: RunStore, lineage: dict[str, Any]) -> None:
+    """What a new fork takes from its parent and what it changes."""
+    changes = ", ".join(f"{k}={v}" for k, v in lineage["overrides"].items()) or "no overrides"
+    get_run_logger().info(
+        "run %s: a fork of %s at %s, referencing %d steps and %d checkpoints of it (%s)",
+        store.run_id,
+        lineage["parent"],
+        lineage["at"],
+        len(lineage["steps"]),
+        len(lineage["checkpoints"]),
+        changes,
+    )
+
+
+def materialize_start(store: RunStore, cfg: HybridConfig) -> None:
+    """A fork that changes what updates read and inherits no checkpoint at its start gets
+    that checkpoint made first, with its parent's config (`tasks.replay.materialize`);
+    again on a resume if a kill came first (nothing to do once it has any checkpoint of
+    its own at or past that version)."""
+    version = store.lineage.doc.get("materialize")
+    if version is None or any(c >= version for c in store.checkpoints(own=True)):
+        return
+    from flows.opening import parent_config
+    from tasks.replay import materialize
+
+    began = time.perf_counter()
+    materialize(Engine(parent_config(store, cfg)), store, version)
+    get_run_logger().info(
+        "run %s: weights version %d of %s made with its config and saved as "
+        "the fork's checkpoint step_%d (%.1f s)",
+        store.run_id,
+        version,
+        store.lineage.parent.run_id,
+        version,
+        time.perf_counter() - began,
+    )
+
+
+def code_version() -> str:
+    """The package version, plus the git commit when run from a checkout."""
+    v = package_version("hybridrl")
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{v}+{sha}" if sha else v

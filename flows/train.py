@@ -21,27 +21,23 @@ Parameters are plain JSON values (a deployment can pass them).
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import logging
-import subprocess
 import time
-from importlib.metadata import version as package_version
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prefect import State, flow, get_run_logger
 from prefect.states import Cancelled
 
-from flows.opening import open_run
-from hybrid_engine.config import HybridConfig, redact
+from flows.display import step_line
+from flows.opening import log_fork, materialize_start, open_run, record_run
+from flows.scheduler import RolloutsAhead
+from flows.tracking import StepLog
+from hybrid_engine.config import HybridConfig
 from hybrid_engine.engine import Engine
-from hybrid_engine.pool.group import CallsAbandoned, WorkerLostError
-from hybrid_engine.staleness import rollout_version
+from hybrid_engine.pool.group import WorkerLostError
 from storage.faults import fault_point
-from storage.final import history
 from storage.store import RunStore, check_reach
-from storage.tracking import Tracker
 from tasks.checkpoint import checkpoint, finish, restore
 from tasks.progress import emit
 from tasks.recovery import (
@@ -55,6 +51,7 @@ from tasks.recovery import (
     rearm,
 )
 from tasks.registry import announce, register_final
+from tasks.retry import task_options
 from tasks.stages import advantage, reward, rollout, update, validate
 
 
@@ -141,12 +138,82 @@ def train(
 def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]:
     """Restore the weights the run needs next, then the steps from there: each task skips
     what its stage has committed (and the update replays committed updates)."""
-    logger = get_run_logger()
+    start = begin(engine, store)
+    opts = task_options(engine.cfg)
+    rollout_, reward_, advantage_, update_ = (
+        s.with_options(**opts) for s in (rollout, reward, advantage, update)
+    )
+    with RolloutsAhead(engine, store, rollout_, start) as rollouts:
+        steps = Steps(engine, store, track, start, rollouts)
+        done = steps.validate_before_training()
+        for step in steps:
+            rolled = rollouts.rollout(step, after=done)
+            scored = reward_(engine, store, step, rolled)
+            advantaged = advantage_(engine, store, step, scored)
+            done = update_(engine, store, step, advantaged)
+            steps.end(step, [rolled, scored, advantaged, done])
+    return finish_run(engine, store, track, done) | {"step_wall_s": steps.wall_s}
+
+
+class Steps:
+    """The steps of one pass, and what follows each: the next asynchronous rollouts,
+    validation (trainer.test_freq and the last step), the step log, a checkpoint when due
+    (trainer.save_freq) with its event, the step's fault point and its console line."""
+
+    def __init__(
+        self, engine: Engine, store: RunStore, track: StepLog, start: int, rollouts: Any
+    ) -> None:
+        self.engine, self.store, self.track, self.rollouts = engine, store, track, rollouts
+        self.t, self.start = engine.cfg.trainer, start
+        opts = task_options(engine.cfg)
+        self.validate, self.checkpoint = (
+            validate.with_options(**opts),
+            checkpoint.with_options(**opts),
+        )
+        self.wall_s: dict[int, float] = {}  # the four stages as this pass saw them
+        self.began = 0.0
+
+    def __iter__(self) -> Iterator[int]:
+        for step in range(self.start, self.t.total_training_steps + 1):
+            self.began = time.perf_counter()
+            yield step
+
+    def validate_before_training(self) -> Any:
+        """Validation 0 (trainer.val_before_train); its result, or None."""
+        done = self.validate(self.engine, self.store, 0) if self.t.val_before_train else None
+        if done:
+            self.track.step(0, done.metrics)
+        return done
+
+    def end(self, step: int, results: list[Any]) -> None:
+        engine, store, t, done = self.engine, self.store, self.t, results[-1]
+        self.rollouts.launch()  # the rollout that uses the weights just made
+        self.wall_s[step] = time.perf_counter() - self.began
+        metrics = done.metrics
+        if step == t.total_training_steps or (t.test_freq and step % t.test_freq == 0):
+            metrics = {**metrics, **self.validate(engine, store, step, wait_for=[done]).metrics}
+        self.track.step(step, metrics, results)
+        if checkpoint_due(store, step, t):  # once the rollouts that use older weights are in
+            older = self.rollouts.results(step + 1, step + self.rollouts.k)
+            saved = self.checkpoint(
+                engine, store, step, t.max_ckpt_to_keep, wait_for=[done, *older]
+            )
+            self.track.tags({"hybridrl.checkpoint": saved.uri})
+            if not saved.skipped:
+                announce("hybridrl.checkpoint.committed", store.run_id, step=step, uri=saved.uri)
+        fault_point(f"step-{step}:end")
+        line = step_line(step, metrics, results)
+        get_run_logger().info(line)
+        emit("step_finished", step=step, metrics=metrics, line=line)
+
+
+def begin(engine: Engine, store: RunStore) -> int:
+    """Restore the weights the run needs next; the first step to run."""
     t = engine.cfg.trainer
     start, how = restore(engine, store)
     CLOCK.seed(store, start)  # a resumed run's stage time limits, from its stored stages
     if start > t.total_training_steps:
-        logger.info(
+        get_run_logger().info(
             "run %s in %s: %d steps done (%s), trainer.total_training_steps is %d: "
             "nothing to train; a larger trainer.total_training_steps continues it",
             store.run_id,
@@ -156,52 +223,16 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
             t.total_training_steps,
         )
     else:
-        logger.info("run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how)
+        get_run_logger().info(
+            "run %s in %s: starting at step %d (%s)", store.run_id, store.url, start, how
+        )
     emit("run_started", run_id=store.run_id, start=start, total=t.total_training_steps)
-    opts = task_options(engine.cfg)
-    rollout_, reward_, advantage_, update_ = (
-        s.with_options(**opts) for s in (rollout, reward, advantage, update)
-    )
-    validate_, checkpoint_ = validate.with_options(**opts), checkpoint.with_options(**opts)
+    return start
 
-    ahead = RolloutsAhead(engine, store, rollout_, start)
-    ahead.launch()  # asynchronous: the rollouts the weights held now are for
-    done = validate_(engine, store, 0) if t.val_before_train else None
-    if done:
-        track.step(0, done.metrics)
-    step_wall_s = {}  # the four stages as this flow run saw them (bench/overhead.py)
-    with ahead:
-        for step in range(start, t.total_training_steps + 1):
-            began = time.perf_counter()
-            if ahead.k:
-                rolled = ahead.take(step)
-            else:
-                ahead.publish_for(step)  # a separate rollout group (colocated: nothing)
-                rolled = rollout_(engine, store, step, wait_for=[done] if done else None)
-            scored = reward_(engine, store, step, rolled)
-            advantaged = advantage_(engine, store, step, scored)
-            done = update_(engine, store, step, advantaged)
-            ahead.launch()  # the rollout that uses the weights just made
-            step_wall_s[step] = time.perf_counter() - began
-            metrics = done.metrics
-            last = step == t.total_training_steps
-            if last or (t.test_freq and step % t.test_freq == 0):
-                metrics = {**metrics, **validate_(engine, store, step, wait_for=[done]).metrics}
-            track.step(step, metrics, [rolled, scored, advantaged, done])
-            if checkpoint_due(store, step, t):  # once the rollouts that
-                older = ahead.results(step + 1, step + ahead.k)  # use older weights are in
-                saved = checkpoint_(
-                    engine, store, step, t.max_ckpt_to_keep, wait_for=[done, *older]
-                )
-                track.tags({"hybridrl.checkpoint": saved.uri})
-                if not saved.skipped:
-                    announce(
-                        "hybridrl.checkpoint.committed", store.run_id, step=step, uri=saved.uri
-                    )
-            fault_point(f"step-{step}:end")
-            line = step_line(step, metrics, [rolled, scored, advantaged, done])
-            logger.info(line)
-            emit("step_finished", step=step, metrics=metrics, line=line)
+
+def finish_run(engine: Engine, store: RunStore, track: StepLog, done: Any) -> dict[str, Any]:
+    """The final policy, its model version, and the event a finished run announces."""
+    logger = get_run_logger()
     result = finish(engine, store, wait_for=[done] if done else None)
     track.tags({"hybridrl.final": result["uri"]})
     try:  # the final policy as a model version; the run is done whatever happens here
@@ -227,60 +258,7 @@ def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]
         tracking_uri=track.tracker.uri if track.tracker else None,
         **(registered or {}),
     )
-    return result | {"step_wall_s": step_wall_s, "registered": registered}
-
-
-class RolloutsAhead:
-    """Asynchronous training (trainer.max_staleness = k > 0): the rollout of step M uses
-    weights version M-1-k (`hybrid_engine.staleness`), so it is submitted to run in the
-    background as soon as the trainer holds that version, each after the one before (the
-    rollout group generates one at a time). With k = 0 it does nothing."""
-
-    def __init__(self, engine: Engine, store: RunStore, task: Any, first: int) -> None:
-        self.engine, self.store, self.task, self.next = engine, store, task, first
-        self.k = engine.cfg.trainer.max_staleness
-        self.total = engine.cfg.trainer.total_training_steps
-        self.futures: dict[int, Any] = {}
-
-    def launch(self) -> None:
-        """Submit the rollouts whose weights the trainer holds now (or older: those are
-        committed, `tasks.checkpoint.rollouts_missing`)."""
-        if not self.k:
-            return
-        version = self.engine.actor.weights_version
-        while self.next <= min(version + 1 + self.k, self.total):
-            m = self.next
-            if rollout_version(m, self.k) == version:
-                self.publish_for(m)
-            before = self.futures.get(m - 1)
-            self.futures[m] = self.task.submit(
-                self.engine, self.store, m, wait_for=[before] if before else None
-            )
-            self.next += 1
-
-    def publish_for(self, step: int) -> None:
-        """The trainer's weights for step N's rollout, unless it is committed already."""
-        if not self.store.is_committed(step, "rollout"):
-            self.engine.publish_weights()
-
-    def take(self, step: int) -> Any:
-        """Step N's rollout, once committed; its error (a dead worker) is raised here."""
-        return self.futures.pop(step).result()
-
-    def results(self, first: int, last: int) -> list[Any]:
-        """The rollouts of steps first..last that were submitted, once committed."""
-        return [self.futures[m].result() for m in range(first, last + 1) if m in self.futures]
-
-    def __enter__(self) -> RolloutsAhead:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        """However the steps ended, no rollout is left running (a recovery re-creates the
-        pool next; a preempted driver's rollouts give up at once, `pool.STOPPING`)."""
-        for future in self.futures.values():
-            with contextlib.suppress(Exception, CallsAbandoned):  # the steps' error goes on
-                future.wait()
-        self.futures.clear()
+    return result | {"registered": registered}
 
 
 def checkpoint_due(store: RunStore, step: int, t: Any) -> bool:
@@ -289,58 +267,6 @@ def checkpoint_due(store: RunStore, step: int, t: Any) -> bool:
     if store.lineage is not None and step < store.lineage.at.step:
         return False
     return step == t.total_training_steps or bool(t.save_freq and step % t.save_freq == 0)
-
-
-def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | None = None) -> None:
-    """run.json of a new run (a fork's with its lineage)."""
-    store.write_run(
-        {
-            "run_id": store.run_id,
-            "config": redact(cfg.model_dump(mode="json")),
-            "code_version": code_version(),
-            "created_at": time.time(),
-            "driver": driver_record(),
-        }
-        | ({"lineage": lineage} if lineage else {})
-    )
-
-
-def log_fork(store: RunStore, lineage: dict[str, Any]) -> None:
-    """What a new fork takes from its parent and what it changes."""
-    changes = ", ".join(f"{k}={v}" for k, v in lineage["overrides"].items()) or "no overrides"
-    get_run_logger().info(
-        "run %s: a fork of %s at %s, referencing %d steps and %d checkpoints of it (%s)",
-        store.run_id,
-        lineage["parent"],
-        lineage["at"],
-        len(lineage["steps"]),
-        len(lineage["checkpoints"]),
-        changes,
-    )
-
-
-def materialize_start(store: RunStore, cfg: HybridConfig) -> None:
-    """A fork that changes what updates read and inherits no checkpoint at its start gets
-    that checkpoint made first, with its parent's config (`tasks.replay.materialize`);
-    again on a resume if a kill came first (nothing to do once it has any checkpoint of
-    its own at or past that version)."""
-    version = store.lineage.doc.get("materialize")
-    if version is None or any(c >= version for c in store.checkpoints(own=True)):
-        return
-    from flows.opening import parent_config
-    from tasks.replay import materialize
-
-    began = time.perf_counter()
-    materialize(Engine(parent_config(store, cfg)), store, version)
-    get_run_logger().info(
-        "run %s: weights version %d of %s made with its config and saved as "
-        "the fork's checkpoint step_%d (%.1f s)",
-        store.run_id,
-        version,
-        store.lineage.parent.run_id,
-        version,
-        time.perf_counter() - began,
-    )
 
 
 def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
@@ -382,153 +308,3 @@ def cancelling() -> bool:
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(flow_run.id).state
     return state is not None and state.type == StateType.CANCELLING
-
-
-# ----------------------------------------------------------------------------- helpers
-SAMPLE_METRICS = ("critic/score/", "critic/rewards/", "response_length/", "rollout_corr/")
-
-
-class StepLog:
-    """MLflow for the flow (`tracking.enabled`): each step's metrics exactly once, the run
-    marked FINISHED at the end, KILLED when preempted and FAILED when the flow raises (a
-    SIGKILLed driver leaves it RUNNING until the resume finishes it)."""
-
-    def __init__(self, cfg: HybridConfig, store: RunStore) -> None:
-        from prefect.runtime import flow_run
-
-        self.store = store
-        self.rows: list[dict[str, Any]] | None = None  # per-step metrics for the curves
-        self.tracker = None
-        self.run_id: str | None = None
-        self.logged: set[int] = set()
-        if cfg.tracking.enabled:
-            self.tracker = Tracker.open(cfg, store, flow_run.id, code_version())
-            self.run_id = self.tracker.run_id
-            self.logged = self.tracker.logged_steps()
-            if store.lineage is not None:  # a fork logs its own steps; the parent has the rest
-                self.logged |= set(range(store.lineage.at.step))
-
-    def step(self, step: int, metrics: dict[str, Any], stages: list[Any] = ()) -> None:
-        """A step's metrics, its stage timeline, and at a validation the generations and
-        curves so far -- unless MLflow has this step already."""
-        if self.tracker is None:
-            return
-        if self.rows is not None and self.rows[-1]["step"] < step:
-            self.rows.append({"step": step, **metrics})
-        if step in self.logged:
-            return
-        if stages:  # wall seconds per stage, from the cumulative `step_s` of each result
-            ends = [s.step_s for s in stages]
-            starts = [0.0, *ends[:-1]]
-            walls = [(s.stage, e - b) for s, e, b in zip(stages, ends, starts, strict=True)]
-            self.tracker.log_timeline(step, walls, metrics)
-        if "val/accuracy" in metrics and (val := self.store.load_stage(step, "validate")):
-            self.tracker.log_samples(step, val.meta.get("samples", []))
-            if self.rows is None:  # read from storage once, then kept up as steps go
-                self.rows = history(self.store, step)
-            self.tracker.log_curves(self.rows)
-        self.tracker.log_step(step, metrics)
-        if "async/weights_version" in metrics:  # the samples' curves by the weights that made
-            version = int(metrics["async/weights_version"])  # them: no shift under asynchrony
-            self.tracker.log_step(
-                version,
-                {f"by_version/{k}": v for k, v in metrics.items() if k.startswith(SAMPLE_METRICS)},
-            )
-        self.logged.add(step)
-
-    def tags(self, tags: dict[str, str]) -> None:
-        if self.tracker is not None:
-            self.tracker.set_tags(tags)
-
-    def recovered(self, event: dict[str, Any], count: int) -> None:
-        """A recovery: tag `hybridrl.recoveries` and metric `recoveries` at its step."""
-        if self.tracker is not None:
-            self.tracker.set_tags(
-                {
-                    "hybridrl.recoveries": str(count),
-                    "hybridrl.last_recovery": f"{event['where']}: {event['worker']} {event['how']}",
-                }
-            )
-            self.tracker.log_metric("recoveries", count, event["step"])
-
-    def __enter__(self) -> StepLog:
-        return self
-
-    def __exit__(self, kind: type | None, error: BaseException | None, _: Any) -> None:
-        if self.tracker is not None:
-            status = "FINISHED" if kind is None else "FAILED"
-            if kind is not None and as_preempted(error) is not None:
-                status = "KILLED"
-            self.tracker.finish(status)
-
-
-def task_options(cfg: HybridConfig) -> dict[str, Any]:
-    """Retries with exponential backoff, for transient failures only."""
-    p = cfg.pipeline
-    return {
-        "retries": p.retries,
-        "retry_delay_seconds": [p.retry_delay_s * 2**i for i in range(p.retries)] or 0,
-        "retry_condition_fn": retry_if_transient,
-    }
-
-
-NOT_TRANSIENT = (
-    FileNotFoundError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-    FileExistsError,
-)
-
-
-STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
-
-
-def is_transient(e: BaseException) -> bool:
-    """Worth retrying: I/O and network errors (S3, a connection reset, a timeout); not a
-    full or read-only disk."""
-    if isinstance(e, NOT_TRANSIENT) or getattr(e, "errno", None) in STORAGE_FULL:
-        return False
-    if isinstance(e, OSError):  # ConnectionError, TimeoutError, socket errors
-        return True
-    return type(e).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
-
-
-def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:
-    error = state.result(raise_on_failure=False)
-    retry = isinstance(error, BaseException) and is_transient(error)
-    if not retry:
-        logging.getLogger("hybridrl").error("%s failed for good: %r", task_run.name, error)
-    return retry
-
-
-def code_version() -> str:
-    """The package version, plus the git commit when run from a checkout."""
-    v = package_version("hybridrl")
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    return f"{v}+{sha}" if sha else v
-
-
-def _fmt(m: dict[str, Any], key: str, spec: str = ".3f") -> str:
-    return format(m[key], spec) if key in m else "-"
-
-
-def step_line(step: int, m: dict[str, Any], results: list[Any]) -> str:
-    skipped = [f"{r.stage} (replayed)" if r.replayed else r.stage for r in results if r.skipped]
-    return (
-        f"step {step:>4}  score {_fmt(m, 'critic/score/mean')}  "
-        f"val_acc {_fmt(m, 'val/accuracy')}  pg_loss {_fmt(m, 'actor/pg_loss', '+.4f')}  "
-        f"entropy {_fmt(m, 'actor/entropy')}  len {_fmt(m, 'response_length/mean', '.1f')}  "
-        f"gen {_fmt(m, 'perf/tokens_per_s_rollout', '.0f')} tok/s  "
-        f"{_fmt(m, 'timing_s/step', '.1f')} s"
-        + (f"  (from storage: {', '.join(skipped)})" if skipped else "")
-    )

@@ -19,15 +19,12 @@ import torch
 
 from hybrid_engine.algorithms.advantages import compute_advantage
 from hybrid_engine.algorithms.correction import rollout_correction
-from hybrid_engine.algorithms.kl import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-)
+from hybrid_engine.algorithms.kl import apply_kl_penalty, kl_controller
 from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.data import PromptData, prompt_batch
+from hybrid_engine.evaluation import validate
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
 from hybrid_engine.rewards import (
     RewardScorer,
@@ -36,28 +33,16 @@ from hybrid_engine.rewards import (
     token_level_scores,
 )
 from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
-from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.base import SamplingParams, step_seed
 from hybrid_engine.rollout.dynamic_sampling import dynamic_rollout
 from hybrid_engine.rollout.envs import make_environment
 from hybrid_engine.rollout.multiturn import (
-    conversation_text,
     multi_turn_metrics,
     multi_turn_rollout,
     multi_turn_scores,
 )
 from hybrid_engine.staleness import WeightsFeed, rollout_version, staleness_metrics
 from hybrid_engine.step_metrics import batch_stats, finish_step, timer
-
-
-def step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step) % 2**63
-
-
-def make_kl_ctrl(cfg: HybridConfig) -> AdaptiveKLController | FixedKLController:
-    k = cfg.algorithm.kl_ctrl
-    if k.type == "adaptive":
-        return AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
-    return FixedKLController(k.kl_coef)
 
 
 class Engine:
@@ -96,7 +81,7 @@ class Engine:
                 self.critic = Critic(cfg, self.tokenizer)
             if cfg.use_reward_model:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
-        self.kl_ctrl = make_kl_ctrl(cfg)
+        self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl)
         self.next_gen_batch = 1  # dynamic sampling: the plain loop's data cursor
         # the last update applied to the weights, {step, meta}: a retried commit uses it
         self.applied_update: dict[str, Any] | None = None
@@ -135,7 +120,7 @@ class Engine:
             self.actor = ActorRolloutRef(self.cfg, self.tokenizer)
             if self.critic is not None:
                 self.critic = Critic(self.cfg, self.tokenizer)
-        self.kl_ctrl = make_kl_ctrl(self.cfg)
+        self.kl_ctrl = kl_controller(self.cfg.algorithm.kl_ctrl)
 
     @property
     def on_policy_single_update(self) -> bool:
@@ -468,52 +453,9 @@ class Engine:
         result = self.update(self.advantage(self.reward(self.sample(step))))
         return finish_step(result.meta["metrics"], time.perf_counter() - start)
 
-    @torch.no_grad()
     def validate(self, samples: int = 0) -> dict[str, Any]:
-        """Greedy (by default) generation on the held-out rows; accuracy = share scored 1.
-        With `samples`, `_samples` holds the first ones: {prompt, response, score}."""
-        rows = self.data.val
-        if not rows:
-            return {}
-        v, r = self.cfg.rollout.val, self.cfg.rollout
-        sampling = SamplingParams(
-            v.max_new_tokens or r.max_new_tokens,
-            v.temperature,
-            r.top_p,
-            r.top_k,
-            step_seed(self.cfg.trainer.seed, -1),
-        )
-        start = time.perf_counter()
-        prompts = prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length)
-        prompts["uid"] = [f"val-{i}" for i in range(len(prompts))]
-        batch = self._generate(prompts, sampling)
-        if "turns" in batch:  # multi-turn: success as the environment says, turns, tool use
-            score_t, acc, _ = self._turn_scores(batch)
-            scores, correct = score_t.tolist(), acc.tolist()
-        else:
-            scores = self._score(batch, "response_ids", "response_mask")
-            correct = [s >= 1.0 for s in scores]
-        out: dict[str, Any] = {
-            "val/accuracy": sum(correct) / len(correct),
-            "val/score/mean": sum(scores) / len(scores),
-            "val/response_length/mean": float(batch["response_mask"].sum(-1).float().mean()),
-            "timing_s/val": time.perf_counter() - start,
-        }
-        if "turns" in batch:
-            out |= multi_turn_metrics(batch, "val/")
-        if samples:
-            ids, mask = batch["response_ids"], batch["response_mask"]
-            out["_samples"] = [
-                {
-                    "prompt": row["prompt"][-1]["content"],
-                    "score": score,
-                    "response": conversation_text(batch["messages"][i])
-                    if "messages" in batch
-                    else self.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True),
-                }
-                for i, (row, score) in enumerate(zip(rows[:samples], scores, strict=False))
-            ]
-        return out
+        """Greedy (by default) generation on the held-out rows (`evaluation.validate`)."""
+        return validate(self, samples)
 
 
 def train(

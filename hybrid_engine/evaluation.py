@@ -1,4 +1,5 @@
-"""Evaluating a policy on the held-out rows: greedy accuracy, pass@k and maj@k (logged as
+"""Validating and evaluating a policy on the held-out rows. `validate`: the run's validation
+(greedy by default; `val/*`). `evaluate_policy`: greedy accuracy, pass@k and maj@k (logged as
 `eval/pass_at_<k>`, `eval/maj_at_<k>`: MLflow names may not hold '@'), plus the response
 statistics a promotion gate checks.
 
@@ -16,6 +17,7 @@ deterministic on CPU. Single-turn tasks only (a multi-turn run is scored by its 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -23,16 +25,63 @@ import torch
 
 from hybrid_engine.data import prompt_batch
 from hybrid_engine.rewards import extract_answer
-from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.base import SamplingParams, step_seed
+from hybrid_engine.rollout.multiturn import conversation_text, multi_turn_metrics
 
 EVAL_SEED_STEP = -2  # validation uses -1: a seed of its own
 
 
 @torch.no_grad()
+def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
+    """Greedy (by default) generation on the held-out rows; accuracy = share scored 1.
+    With `samples`, `_samples` holds the first ones: {prompt, response, score}."""
+    rows = engine.data.val
+    if not rows:
+        return {}
+    v, r = engine.cfg.rollout.val, engine.cfg.rollout
+    sampling = SamplingParams(
+        v.max_new_tokens or r.max_new_tokens,
+        v.temperature,
+        r.top_p,
+        r.top_k,
+        step_seed(engine.cfg.trainer.seed, -1),
+    )
+    start = time.perf_counter()
+    prompts = prompt_batch(rows, engine.tokenizer, engine.cfg.data.max_prompt_length)
+    prompts["uid"] = [f"val-{i}" for i in range(len(prompts))]
+    batch = engine._generate(prompts, sampling)
+    if "turns" in batch:  # multi-turn: success as the environment says, turns, tool use
+        score_t, acc, _ = engine._turn_scores(batch)
+        scores, correct = score_t.tolist(), acc.tolist()
+    else:
+        scores = engine._score(batch, "response_ids", "response_mask")
+        correct = [s >= 1.0 for s in scores]
+    out: dict[str, Any] = {
+        "val/accuracy": sum(correct) / len(correct),
+        "val/score/mean": sum(scores) / len(scores),
+        "val/response_length/mean": float(batch["response_mask"].sum(-1).float().mean()),
+        "timing_s/val": time.perf_counter() - start,
+    }
+    if "turns" in batch:
+        out |= multi_turn_metrics(batch, "val/")
+    if samples:
+        ids, mask = batch["response_ids"], batch["response_mask"]
+        out["_samples"] = [
+            {
+                "prompt": row["prompt"][-1]["content"],
+                "score": score,
+                "response": conversation_text(batch["messages"][i])
+                if "messages" in batch
+                else engine.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True),
+            }
+            for i, (row, score) in enumerate(zip(rows[:samples], scores, strict=False))
+        ]
+    return out
+
+
+@torch.no_grad()
 def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     """`eval/*` metrics of the policy `engine.actor` holds, on `engine.data.val`."""
-    from hybrid_engine.engine import step_seed
-
     cfg, rows = engine.cfg, engine.data.val
     if not rows:
         raise ValueError("data.val_size is 0: nothing to evaluate on")

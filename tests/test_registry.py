@@ -100,7 +100,7 @@ def test_evaluate_then_the_gate_promotes_the_first_and_refuses_an_equal_second(
 def test_the_gate_checks_accuracy_margin_format_and_lengths(tmp_path):
     """The gate on real registered versions (sources need not load: it reads tags)."""
     from hybrid_engine.config import RegistryConfig
-    from storage.registry import gate
+    from storage.tracking.models import gate
 
     c = client(f"sqlite:///{tmp_path}/mlflow.db")
     c.create_registered_model("m")

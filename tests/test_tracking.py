@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from hybrid_engine.config import load_config
 from storage.store import RunStore
-from storage.tracking import Tracker
+from storage.tracking.runs import Tracker
 
 
 @pytest.fixture

@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 
 from hybrid_engine.algorithms.utils import masked_mean
+from hybrid_engine.config import KLControlConfig
 from hybrid_engine.registry import KL_ESTIMATORS
 
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "apply_kl_penalty",
+    "kl_controller",
     "kl_penalty",
 ]
 
@@ -108,3 +110,10 @@ def apply_kl_penalty(
     rewards = token_level_scores - kl_coef * kl
     mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
     return rewards, mean_kl
+
+
+def kl_controller(k: KLControlConfig) -> AdaptiveKLController | FixedKLController:
+    """The controller `algorithm.kl_ctrl` describes."""
+    if k.type == "adaptive":
+        return AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return FixedKLController(k.kl_coef)

@@ -14,6 +14,11 @@ import torch
 from hybrid_engine.batch import Batch
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of step N (validation uses step -1, evaluation -2)."""
+    return (seed * 1_000_003 + step) % 2**63
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int
