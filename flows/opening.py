@@ -6,8 +6,8 @@
              itself: the stages it inherits (`storage.lineage`) read the parent's values
 
 A fork at `N/STAGE` keeps every step before N and the stages of step N before STAGE, so it
-may not change what those stages read (`STAGE_READS`), nor what every step reads
-(`RUN_IDENTITY`: the data, the model, the seed). Anything else it may change: a fork at
+may not change what those stages read, nor what every step reads (the data, the model, the
+seed): each config field declares who reads it (`hybrid_engine.config.reads_of`). Anything else it may change: a fork at
 `20/advantage` may switch `algorithm.adv_estimator` or `actor.optim.lr`, not
 `rollout.temperature`.
 """
@@ -31,6 +31,7 @@ from hybrid_engine.config import (
     config_from_dict,
     flatten,
     load_config,
+    reads_of,
     redact,
     redacted_keys,
 )
@@ -41,45 +42,9 @@ from tasks.recovery import (
     driver_record,
 )
 
-# What a resumed run may change: where things live and run, not what is computed.
-RESUME_MAY_CHANGE = (
-    "storage.",
-    "ray.",
-    "pipeline.",
-    "tracking.",
-    "registry.",
-    "trainer.total_training_steps",
-    "trainer.num_threads",
-    "trainer.reuse_freed_memory",
-    "trainer.deterministic",
-    "trainer.backend",
-    "trainer.save_freq",
-    "trainer.max_ckpt_to_keep",
-    "trainer.test_freq",
-)
-
-# What every stage of every step reads: the prompts and their order, the model, the seed.
-RUN_IDENTITY = ("data.", "model.", "trainer.seed", "actor.lora.", "critic.model_path")
-
-# The config keys (prefixes) each stage's output depends on. `update` is never inherited
-# by the step a fork starts at, so it needs no entry.
-STAGE_READS: dict[str, tuple[str, ...]] = {
-    "rollout": (
-        "rollout.",
-        "trainer.max_staleness",
-        "algorithm.filter_groups.",
-        "actor.layout.rollout.",
-    ),
-    "reward": ("reward.",),
-    "advantage": (
-        "algorithm.",
-        "ref.",
-        "actor.ppo_epochs",
-        "actor.ppo_mini_batch_size",
-        "actor.use_kl_loss",
-    ),
-}
-UPDATE_READS = ("actor.", "critic.")  # what an update reads (the inherited ones too)
+# Who reads each config key, as the config's fields declare it (`json_schema_extra=reads(...)`):
+# "run" (every step), a stage, "update", or "where" (what a resume may change).
+READS = reads_of()
 
 
 @dataclass
@@ -158,7 +123,7 @@ def resumed_config(run_id: str, overrides: list[str]) -> HybridConfig:
     store = RunStore(_where(overrides).storage, validate_run_id(run_id))
     stored, cfg = _stored_config(store, overrides)
     a, b = flatten(stored), flatten(cfg)
-    changed = [k for k in b if a.get(k) != b[k] and not k.startswith(RESUME_MAY_CHANGE)]
+    changed = [k for k in b if a.get(k) != b[k] and "where" not in READS[k]]
     if changed:
         raise ConfigError(
             f"resume cannot change {', '.join(changed)} (it would change what the run "
@@ -177,22 +142,21 @@ def parse_fork_from(text: str) -> tuple[str, ForkPoint]:
 
 def refused_fork_changes(parent: HybridConfig, fork: HybridConfig, at: ForkPoint) -> list[str]:
     """The keys a fork at `at` changes but may not, each with the reason."""
-    reads = {p: "every step reads it" for p in RUN_IDENTITY}
+    why = {"run": "every step reads it"}
     inherited = [s for s in STAGES if at.inherits(at.step, s)]
     for stage in inherited:
-        why = f"step {at.step}'s {stage} stage, which the fork takes from its parent, read it"
-        reads |= dict.fromkeys(STAGE_READS[stage], why)
-        if stage == "rollout" and parent.algorithm.filter_groups.enabled:
-            reads["reward."] = why + " (dynamic sampling scores inside the rollout)"
+        why[stage] = (
+            f"step {at.step}'s {stage} stage, which the fork takes from its parent, read it"
+        )
+    if "rollout" in inherited and "reward" not in why and parent.algorithm.filter_groups.enabled:
+        why["reward"] = why["rollout"] + " (dynamic sampling scores inside the rollout)"
     a, b = flatten(parent), flatten(fork)
     out = []
     for key in sorted(b):
-        if a.get(key) == b[key] or key.startswith(RESUME_MAY_CHANGE) or key == "trainer.run_id":
+        if a.get(key) == b[key] or "where" in READS[key] or key == "trainer.run_id":
             continue
-        for prefix, why in reads.items():
-            if key == prefix or key.startswith(prefix) and prefix.endswith("."):
-                out.append(f"{key} ({why})")
-                break
+        if reason := next((why[r] for r in READS[key] if r in why), None):
+            out.append(f"{key} ({reason})")
     if "rollout" in inherited and fork.greedy_baseline and not parent.greedy_baseline:
         out.append(
             f"algorithm.adv_estimator={fork.algorithm.adv_estimator} (it needs greedy "
@@ -228,7 +192,7 @@ def open_fork(parent_id: str, at: ForkPoint, overrides: list[str], run_id: str |
     }
     lineage = fork_manifest(parent, at) | {"overrides": {k: str(v) for k, v in changed.items()}}
     start = start_version(at, cfg.trainer.max_staleness)
-    update_keys = [k for k in changed if k.startswith(UPDATE_READS)]
+    update_keys = [k for k in changed if "update" in READS[k]]
     if update_keys and start < at.step - 1:
         raise ConfigError(
             f"a fork at {at} cannot change {', '.join(update_keys)}: with "
@@ -250,7 +214,7 @@ def parent_config(store: RunStore, cfg: HybridConfig) -> HybridConfig:
     where = [
         f"{k}={json.dumps(v)}"
         for k, v in flatten(cfg).items()
-        if a.get(k) != v and k.startswith(RESUME_MAY_CHANGE)
+        if a.get(k) != v and "where" in READS[k]
     ]
     return config_from_dict(stored, where)
 

@@ -215,3 +215,54 @@ def test_secrets_in_env_maps_are_not_recorded_and_a_resume_asks_for_them(tmp_pat
         cwd=root,
     )
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+STORAGE_COMMANDS = [
+    "train",
+    "resume",
+    "fork",
+    "replay",
+    "runs tree",
+    "runs delete",
+    "register",
+    "evaluate",
+]
+TRACKING_COMMANDS = [
+    "train",
+    "resume",
+    "fork",
+    "register",
+    "evaluate",
+    "runs list",
+    "runs show",
+    "runs compare",
+]
+
+
+@pytest.mark.fast
+def test_one_spelling_for_the_storage_root_and_the_tracking_uri():
+    import typer
+
+    from flows.cli import app
+    from flows.cli.options import old_spellings, with_options
+
+    root = typer.main.get_command(app)
+
+    def options(path: str) -> set[str]:
+        cmd = root
+        for part in path.split():
+            cmd = cmd.commands[part]
+        return {o for p in cmd.params for o in getattr(p, "opts", [])}
+
+    assert [c for c in STORAGE_COMMANDS if "--storage-root" not in options(c)] == []
+    assert [c for c in TRACKING_COMMANDS if "--tracking-uri" not in options(c)] == []
+    got = with_options(["storage.root=/old", "rollout.n=2"], "/new", "http://127.0.0.1:5000")
+    assert got == [
+        "storage.root=/old",
+        "rollout.n=2",
+        "storage.root=/new",
+        "tracking.uri=http://127.0.0.1:5000",
+    ]
+    (line,) = old_spellings(["storage.root=/old", "rollout.n=2"])
+    assert "`storage.root=...` as an override is the old spelling" in line
+    assert "--storage-root" in line and old_spellings(["rollout.n=2"]) == []

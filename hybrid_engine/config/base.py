@@ -56,6 +56,22 @@ ISLevel = Annotated[str, RegisteredName(IS_LEVELS)]
 RolloutBackend = Annotated[str, RegisteredName(ROLLOUT_BACKENDS)]
 
 
+# Who reads a key: "run" (every stage of every step: the data, the model, the seed), a
+# stage ("rollout", "reward", "advantage"), "update", or "where" (where the run lives and
+# runs, not what it computes: a resume may change it). Declared on a field, it covers the
+# field's whole section unless a field inside declares its own (`reads_of` collects them);
+# forks and resumes check changed keys against it (`flows.opening`).
+READERS = ("run", "rollout", "reward", "advantage", "update", "where")
+
+
+def reads(*who: str) -> dict[str, Any]:
+    """`Field(..., json_schema_extra=reads("advantage", "update"))`."""
+    unknown = set(who) - set(READERS)
+    if unknown:
+        raise ValueError(f"unknown readers {sorted(unknown)}; known: {', '.join(READERS)}")
+    return {"read_by": list(who)}
+
+
 class ConfigError(ValueError):
     """A bad configuration; the message names the key and the value."""
 

@@ -8,28 +8,44 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
-from hybrid_engine.config.base import Section
+from hybrid_engine.config.base import Section, reads
 
 
 class TrainerConfig(Section):
     total_training_steps: int = Field(
-        2, gt=0, description="steps of the run (rollout → reward → advantage → update each)"
+        2,
+        gt=0,
+        description="steps of the run (rollout → reward → advantage → update each)",
+        json_schema_extra=reads("where"),
     )
     seed: int = Field(
-        1, description="seed of weights and sampling: same seed on CPU = same weights"
+        1,
+        description="seed of weights and sampling: same seed on CPU = same weights",
+        json_schema_extra=reads("run"),
     )
-    test_freq: int = Field(0, ge=0, description="validate every N steps; 0 = only at the end")
+    test_freq: int = Field(
+        0,
+        ge=0,
+        description="validate every N steps; 0 = only at the end",
+        json_schema_extra=reads("where"),
+    )
     val_before_train: bool = Field(True, description="validate the initial policy (step 0)")
     save_freq: int = Field(
         0,
         ge=0,
         description="weights checkpoint every N steps (and always at the end); 0 = end only",
+        json_schema_extra=reads("where"),
     )
     max_ckpt_to_keep: int = Field(
-        2, ge=0, description="checkpoints kept; older ones are deleted; 0 = all"
+        2,
+        ge=0,
+        description="checkpoints kept; older ones are deleted; 0 = all",
+        json_schema_extra=reads("where"),
     )
     backend: Literal["local", "ray"] = Field(
-        "local", description="local = roles in this process; ray = the persistent worker pool"
+        "local",
+        description="local = roles in this process; ray = the persistent worker pool",
+        json_schema_extra=reads("where"),
     )
     max_staleness: int = Field(
         0,
@@ -38,15 +54,19 @@ class TrainerConfig(Section):
         "weights version N-1, so it runs while steps N..N+k-1 train; 0 = synchronous. > 0 "
         "puts generation in its own pool group (trainer.backend=ray, ray.rollout=separate) and "
         "corrects the staleness with algorithm.rollout_correction (level token if unset)",
+        json_schema_extra=reads("rollout"),
     )
     run_id: str | None = Field(None, description="None = <preset>-<timestamp>")
-    num_threads: int = Field(0, ge=0, description="torch threads; 0 = all cores")
+    num_threads: int = Field(
+        0, ge=0, description="torch threads; 0 = all cores", json_schema_extra=reads("where")
+    )
     deterministic: bool = Field(
         True,
         description="torch.use_deterministic_algorithms (warn only where an op has no "
         "deterministic kernel). Without it, on 2 CPU threads, the SmolLM2 demo's update 16 "
         "came out in one of two roundings from process to process (updates 11-15 did not); "
         "with it, 3 of 3 processes agreed, equal to 1 thread, at no measurable cost",
+        json_schema_extra=reads("where"),
     )
     reuse_freed_memory: bool = Field(
         True,
@@ -56,6 +76,7 @@ class TrainerConfig(Section):
         "models live with the local backend) and, on the pool, in the workers of single-rank "
         "groups, by their environment (MALLOC_* variables, under ray.worker_env's); FSDP ranks "
         "follow ray.worker_env alone",
+        json_schema_extra=reads("where"),
     )
 
     @model_validator(mode="before")

@@ -158,6 +158,25 @@ def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def reads_of(model: type[BaseModel] = HybridConfig) -> dict[str, tuple[str, ...]]:
+    """Every key -> who reads it (`config.base.READERS`), as its fields declare: the nearest
+    declaration on the key or a section above it; () when none does."""
+    out: dict[str, tuple[str, ...]] = {}
+
+    def walk(cls: type[BaseModel], prefix: str, inherited: tuple[str, ...]) -> None:
+        for name, field in cls.model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            who = tuple(extra.get("read_by", inherited))
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                walk(sub, f"{prefix}{name}.", who)
+            else:
+                out[prefix + name] = who
+
+    walk(model, "", ())
+    return out
+
+
 # ----------------------------------------------------------------------------- reference
 def _type_name(annotation: Any) -> str:
     """`int`, `float | None`, `"hf" \\| "vllm"` for the reference table."""

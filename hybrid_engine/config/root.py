@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from hybrid_engine.config.base import reads
 from hybrid_engine.config.infra import (
     PipelineConfig,
     RayConfig,
@@ -43,20 +44,30 @@ class HybridConfig(BaseSettings):
         nested_model_default_partial_update=True,
     )
 
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    actor: ActorConfig = Field(default_factory=ActorConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    ref: RefConfig = Field(default_factory=RefConfig)
-    critic: CriticConfig = Field(default_factory=CriticConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    data: DataConfig = Field(default_factory=DataConfig, json_schema_extra=reads("run"))
+    model: ModelConfig = Field(default_factory=ModelConfig, json_schema_extra=reads("run"))
+    actor: ActorConfig = Field(default_factory=ActorConfig, json_schema_extra=reads("update"))
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, json_schema_extra=reads("rollout")
+    )
+    ref: RefConfig = Field(default_factory=RefConfig, json_schema_extra=reads("advantage"))
+    critic: CriticConfig = Field(default_factory=CriticConfig, json_schema_extra=reads("update"))
+    reward: RewardConfig = Field(default_factory=RewardConfig, json_schema_extra=reads("reward"))
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, json_schema_extra=reads("advantage")
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
-    storage: StorageConfig = Field(default_factory=StorageConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    ray: RayConfig = Field(default_factory=RayConfig, json_schema_extra=reads("where"))
+    storage: StorageConfig = Field(default_factory=StorageConfig, json_schema_extra=reads("where"))
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig, json_schema_extra=reads("where")
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, json_schema_extra=reads("where")
+    )
+    registry: RegistryConfig = Field(
+        default_factory=RegistryConfig, json_schema_extra=reads("where")
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -17,6 +17,7 @@ from hybrid_engine.config.base import (
     PolicyLossName,
     RolloutBackend,
     Section,
+    reads,
 )
 from hybrid_engine.registry import ENVIRONMENTS
 from hybrid_engine.specs import load_spec
@@ -102,7 +103,9 @@ class ActorLayout(Section):
         "fsdp", description="training layout: FSDP2 over `dp` ranks (1 rank = plain model)"
     )
     dp: int = Field(1, ge=1, description="data-parallel ranks of the actor group")
-    rollout: RolloutLayout = Field(default_factory=RolloutLayout)
+    rollout: RolloutLayout = Field(
+        default_factory=RolloutLayout, json_schema_extra=reads("rollout", "update")
+    )
 
 
 class PolicyLossConfig(Section):
@@ -139,16 +142,28 @@ class LoraSettings(Section):
 class ActorConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     layout: ActorLayout = Field(default_factory=ActorLayout)
-    ppo_mini_batch_size: int = Field(32, gt=0, description="samples per optimizer step")
+    ppo_mini_batch_size: int = Field(
+        32,
+        gt=0,
+        description="samples per optimizer step",
+        json_schema_extra=reads("advantage", "update"),
+    )
     ppo_micro_batch_size: int = Field(8, gt=0, description="samples per forward/backward")
-    ppo_epochs: int = Field(1, gt=0, description="passes over a step's samples")
+    ppo_epochs: int = Field(
+        1,
+        gt=0,
+        description="passes over a step's samples",
+        json_schema_extra=reads("advantage", "update"),
+    )
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: ratio ≥ 1 - this")
     clip_ratio_high: float = Field(
         0.2, ge=0, description="PPO clip: ratio ≤ 1 + this (DAPO clip-higher: raise it)"
     )
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
-    lora: LoraSettings = Field(default_factory=LoraSettings)
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings, json_schema_extra=reads("run", "update")
+    )
     loss_agg_mode: LossAggMode = Field(
         "token-mean",
         description="how token losses reduce to one (token-mean = DAPO; seq-mean-token-sum-norm "
@@ -167,7 +182,9 @@ class ActorConfig(Section):
         "actor/nonfinite_skipped); false: the update is refused and the run fails naming it",
     )
     use_kl_loss: bool = Field(
-        False, description="KL to the reference policy as a loss term (GRPO style)"
+        False,
+        description="KL to the reference policy as a loss term (GRPO style)",
+        json_schema_extra=reads("advantage", "update"),
     )
     kl_loss_coef: float = Field(0.001, ge=0, description="weight of that KL loss")
     kl_loss_type: KLKind = Field("low_var_kl", description="KL estimator of that loss")
@@ -247,7 +264,11 @@ class RefConfig(Section):
 
 
 class CriticConfig(Section):
-    model_path: str | None = Field(None, description="None = initialise from the policy")
+    model_path: str | None = Field(
+        None,
+        description="None = initialise from the policy",
+        json_schema_extra=reads("run", "update"),
+    )
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = Field(32, gt=0, description="samples per critic optimizer step")
     ppo_micro_batch_size: int = Field(8, gt=0, description="samples per critic forward/backward")
@@ -396,4 +417,6 @@ class AlgorithmConfig(Section):
     kl_penalty: KLKind = Field("kl", description="KL estimator of that penalty")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
-    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    filter_groups: FilterGroupsConfig = Field(
+        default_factory=FilterGroupsConfig, json_schema_extra=reads("rollout", "advantage")
+    )

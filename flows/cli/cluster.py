@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_runs import console, fail
+from flows.cli.runs import console, fail
 from hybrid_engine import RAY_ENV  # noqa: F401 - sets Ray's environment before ray is imported
 
 cluster_app = typer.Typer(help="The Ray cluster: nodes, resources, where the pool's workers run.")

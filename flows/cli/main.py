@@ -1,7 +1,7 @@
 """`hybridrl`: the command line.
 
     hybridrl train CONFIG [key.path=value ...]   a run as the Prefect `train` flow
-    hybridrl resume RUN_ID [storage.root=...]    continue a run where it stopped
+    hybridrl resume RUN_ID [--storage-root URL]  continue a run where it stopped
     hybridrl fork RUN_ID --at STEP/STAGE [...]   a new run from another's stored stages
     hybridrl replay RUN_ID STEP/STAGE | --all    recompute stored stages, compare (audit)
     hybridrl evaluate NAME/VERSION | --run-id R  greedy acc, pass@k, maj@k; promotion gate
@@ -12,7 +12,8 @@
     hybridrl pool down [--pool NAME]             stop them (and the local Ray head if idle)
     hybridrl deploy [NAME ...]                   deployments/prefect.yaml to $PREFECT_API_URL
 
-`train` prints the run id and one line per step, and leaves the final policy in
+Every command takes `--storage-root` and `--tracking-uri` where it reads runs or MLflow
+(`flows.cli.options`). `train` prints the run id and one line per step, and leaves the final policy in
 `<storage.root>/<run_id>/final/`; on failure it exits 1 with one line naming the problem
 (`--debug` shows the traceback).
 """
@@ -26,8 +27,15 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_runs import console, runs_app
-from flows.cli_runs import fail as _fail
+from flows.cli.options import (
+    StorageRoot,
+    TrackingUri,
+    as_overrides,
+    old_spellings,
+    with_options,
+)
+from flows.cli.runs import console, runs_app
+from flows.cli.runs import fail as _fail
 
 app = typer.Typer(
     add_completion=False,
@@ -67,6 +75,7 @@ def _run_flow(
     resume: bool,
     debug: bool,
     fork_from: str | None = None,
+    notes: list[str] = (),
 ) -> None:
     try:
         from hybrid_engine.config import load_config
@@ -92,7 +101,7 @@ def _run_flow(
                 from storage.tracking.runs import check_tracking, tracking_uri
 
                 check_tracking(tracking_uri(cfg))
-            from flows.preflight import preflight
+            from flows.cli.preflight import preflight
 
             preflight(cfg)  # model dirs, data, reward function, storage root: seconds
             from flows.opening import refuse_existing
@@ -134,6 +143,8 @@ def _run_flow(
         if "val/accuracy" in rows:
             console.print(f"final val/accuracy: {rows['val/accuracy']:.3f}")
         console.print(f"final policy: {result['uri']}")
+        for line in notes:  # the old spellings the command was given
+            console.print(line, style="yellow", highlight=False)
         if result.get("registered"):
             console.print(
                 f"registered as {result['registered']['model']} in MLflow's Model Registry"
@@ -186,15 +197,18 @@ def secrets_to_environment(overrides: list[str]) -> list[str]:
 def train(
     config: Annotated[str, typer.Argument(help="YAML preset, e.g. configs/demo_cpu.yaml")],
     overrides: Overrides = None,
-    run_id: Annotated[str | None, typer.Option(help="default: <preset>-<timestamp>")] = None,
+    run_id: Annotated[str | None, typer.Option(help="default: PRESET-TIMESTAMP")] = None,
+    storage_root: StorageRoot = None,
+    tracking_uri: TrackingUri = None,
     debug: Debug = False,
 ) -> None:
     """Train a policy with RL: the Prefect `train` flow, each stage checkpointed.
 
-    CONFIG is a YAML preset (configs/); overrides are dotted `key.path=value` pairs (README:
-    Configuration lists every key). Prints the run id, live progress and a line per step;
-    the final policy lands in `<storage.root>/<run_id>/final/`."""
-    _run_flow(config, overrides or [], run_id, False, debug)
+    CONFIG is a YAML preset (configs/); overrides are dotted `key.path=value` pairs (the
+    docs' configuration reference lists every key). Prints the run id, live progress and a
+    line per step; the final policy lands in `<storage root>/<run_id>/final/`."""
+    given = with_options(overrides, storage_root, tracking_uri)
+    _run_flow(config, given, run_id, False, debug, notes=old_spellings(overrides or []))
 
 
 @app.command()
@@ -202,17 +216,20 @@ def resume(
     run_id: Annotated[str, typer.Argument(help="the run to continue")],
     overrides: Annotated[
         list[str] | None,
-        typer.Argument(help="storage.root=... (where the run is), ray.*, more steps, ..."),
+        typer.Argument(help="ray.*, more steps, ... (what a resume may change)"),
     ] = None,
+    storage_root: StorageRoot = None,
+    tracking_uri: TrackingUri = None,
     debug: Debug = False,
 ) -> None:
     """Continue a run where it stopped: committed stages are skipped, nothing regenerated.
 
     The run's stored config is used; overrides may change only where things live and run
     (`storage.*`, `ray.*`, `pipeline.*`, `tracking.*`, threads, backend, save/test
-    frequency) or train longer (`trainer.total_training_steps`). Give `storage.root=...`
+    frequency) or train longer (`trainer.total_training_steps`). Give `--storage-root`
     when the run is not under ./runs."""
-    _run_flow(None, overrides or [], run_id, True, debug)
+    given = with_options(overrides, storage_root, tracking_uri)
+    _run_flow(None, given, run_id, True, debug, notes=old_spellings(overrides or []))
 
 
 @app.command()
@@ -229,6 +246,8 @@ def fork(
         typer.Option("--run-id", help="the fork's run id (default: <parent>-fork-<step>-<stage>)"),
     ] = None,
     overrides: Overrides = None,
+    storage_root: StorageRoot = None,
+    tracking_uri: TrackingUri = None,
     debug: Debug = False,
 ) -> None:
     """Fork a run at a stage: a new run whose steps before STEP, and the stages of STEP
@@ -239,7 +258,9 @@ def fork(
     the stored updates). What a fork may change depends on STAGE: at `advantage` it may
     change `algorithm.*` and `actor.*` but not `rollout.*` (its rollout is the parent's);
     the data, model and seed never. Refused keys are named with the reason."""
-    _run_flow(None, overrides or [], new_run_id, False, debug, fork_from=f"{run_id}@{at}")
+    given = with_options(overrides, storage_root, tracking_uri)
+    notes = old_spellings(overrides or [])
+    _run_flow(None, given, new_run_id, False, debug, fork_from=f"{run_id}@{at}", notes=notes)
 
 
 @app.command()
@@ -252,7 +273,7 @@ def replay(
         ),
     ] = None,
     all_stages: Annotated[bool, typer.Option("--all", help="every committed stage")] = False,
-    storage_root: Annotated[str | None, typer.Option("--storage-root")] = None,
+    storage_root: StorageRoot = None,
     debug: Debug = False,
 ) -> None:
     """Recompute committed stages from their stored inputs and the weights they saw, and
@@ -274,7 +295,7 @@ def replay(
         from storage.store import RunStore, check_reach
         from tasks.replay import STAGE_ORDER, Replayer, audit_run
 
-        where = [f"storage.root={storage_root}"] if storage_root else []
+        where = as_overrides(storage_root, None)
         cfg = resumed_config(run_id, where)
         if cfg.trainer.backend == "ray":
             cfg = resumed_config(run_id, [*where, f"ray.pool_name={cfg.ray.pool_name}-audit"])
@@ -324,8 +345,8 @@ def replay(
         raise typer.Exit(1)
 
 
-from flows import cli_models  # noqa: E402 - the registry commands, in their own module
-from flows.cli_cluster import cluster_app  # noqa: E402
+from flows.cli import models as cli_models  # noqa: E402 - the registry commands
+from flows.cli.cluster import cluster_app  # noqa: E402
 
 app.add_typer(cluster_app, name="cluster")
 
@@ -454,7 +475,3 @@ def version() -> None:
     from importlib.metadata import version as v
 
     console.print(v("hybridrl"))
-
-
-if __name__ == "__main__":
-    app()

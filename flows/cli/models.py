@@ -6,13 +6,8 @@ from typing import Annotated
 
 import typer
 
-from flows.cli_runs import console, fail
-
-TrackingUri = Annotated[
-    str | None,
-    typer.Option("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"),
-]
-StorageRoot = Annotated[str | None, typer.Option("--storage-root", help="default: storage.root")]
+from flows.cli.options import StorageRoot, TrackingUri, as_overrides
+from flows.cli.runs import console, fail
 
 
 def evaluate(
@@ -53,6 +48,7 @@ def register(
     run_id: Annotated[str, typer.Argument(help="the run")],
     step: Annotated[int | None, typer.Option(help="checkpoint step_N (default: final/)")] = None,
     storage_root: StorageRoot = None,
+    tracking_uri: TrackingUri = None,
 ) -> None:
     """Register a run's final policy, or one of its checkpoints, as a version of
     registry.model_name in MLflow's Model Registry (with the run, step and metrics as tags)."""
@@ -61,7 +57,7 @@ def register(
         from storage.store import RunStore
         from tasks.registry import register_checkpoint, register_final
 
-        cfg = resumed_config(run_id, [f"storage.root={storage_root}"] if storage_root else [])
+        cfg = resumed_config(run_id, as_overrides(storage_root, tracking_uri))
         store = RunStore(cfg.storage, run_id)
         if step is None:
             got = register_final.fn(cfg, store)

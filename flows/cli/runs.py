@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from flows.cli.options import StorageRoot, TrackingUri, as_overrides
+
 console = Console()
 runs_app = typer.Typer(help="Training runs: as MLflow tracked them, and their forks in storage.")
 
@@ -18,10 +20,6 @@ def fail(e: Exception) -> None:
     raise typer.Exit(1) from None
 
 
-TrackingUri = Annotated[
-    str | None,
-    typer.Option("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"),
-]
 Experiment = Annotated[str, typer.Option("--experiment", help="MLflow experiment")]
 
 
@@ -124,18 +122,10 @@ def runs_compare(
     console.print(f"MLflow UI: {hint}", soft_wrap=True)
 
 
-StorageRoot = Annotated[
-    str | None,
-    typer.Option(
-        "--storage-root", help="default: storage.root ($HYBRIDRL_STORAGE__ROOT, else ./runs)"
-    ),
-]
-
-
 def _storage(root: str | None):  # noqa: ANN202 - a StorageConfig
     from hybrid_engine.config import load_config
 
-    return load_config(None, [f"storage.root={root}"] if root else []).storage
+    return load_config(None, as_overrides(root, None)).storage
 
 
 @runs_app.command("tree")
