@@ -37,3 +37,28 @@ def test_the_bound_check_finds_an_unbounded_wait():
     src = "import subprocess\np = subprocess.run(['x'], capture_output=True)\nq.communicate()\n"
     assert len(unbounded_calls(src)) == 2
     assert not unbounded_calls("subprocess.run(['x'], timeout=5)\nq.communicate(timeout=5)\n")
+
+
+MAX_LINES, MAX_FMT_SKIPS = 500, 10
+
+
+def test_no_file_over_500_lines_and_the_formatter_owns_the_layout():
+    """The house rules every Python file of the repository keeps: at most 500 lines, and at
+    most 10 lines the formatter is told to skip in the code outside tests."""
+    import subprocess
+
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=TESTS.parent, capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    long = {
+        f: n for f in files if (n := len((TESTS.parent / f).read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"
+    skips = [
+        f"{f}:{i}"
+        for f in files
+        if not f.startswith("tests/")
+        for i, line in enumerate((TESTS.parent / f).read_text().splitlines(), 1)
+        if "fmt: skip" in line or "fmt: off" in line
+    ]
+    assert len(skips) <= MAX_FMT_SKIPS, skips
