@@ -97,6 +97,8 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        # another test's evaluation of a "hybridrl-policy/1" on this server is not this one
+        earlier = frozenset(r["id"] for r in flow_runs(prefect_api, "eval-hybridrl-policy-1"))
         overrides = [
             "trainer.total_training_steps=2",
             f"storage.root={tmp_path}/runs",
@@ -140,7 +142,7 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         assert tags["hybridrl.model_version"] == "hybridrl-policy/1"
 
         # the finished run's event -> the automation -> the evaluate deployment's flow run
-        states = wait_for_states(prefect_api, "eval-hybridrl-policy-1", "Completed", 600)
+        states = wait_for_states(prefect_api, "eval-hybridrl-policy-1", "Completed", 600, earlier)
         assert "Completed" in states, states
         req = urllib.request.Request(
             f"{mlflow_url}/api/2.0/mlflow/registered-models/alias"
@@ -204,15 +206,23 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         stop(mlflow_proc)
 
 
-def wait_for_states(api: str, name: str, final: str, timeout_s: float) -> list[str]:
-    """The state names of the flow runs called `name`, once one of them is `final`."""
-    deadline = time.monotonic() + timeout_s
+def flow_runs(api: str, name: str) -> list[dict]:
+    """The flow runs called `name` on the Prefect server at `api`."""
     body = json.dumps({"flow_runs": {"name": {"any_": [name]}}}).encode()
+    req = urllib.request.Request(
+        f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"}
+    )
+    return json.loads(urllib.request.urlopen(req).read())
+
+
+def wait_for_states(
+    api: str, name: str, final: str, timeout_s: float, other: frozenset[str] = frozenset()
+) -> list[str]:
+    """The state names of the flow runs called `name` (but those whose ids are in `other`:
+    another test's on the same server), once one of them is `final`."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        req = urllib.request.Request(
-            f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"}
-        )
-        states = [r["state"]["name"] for r in json.loads(urllib.request.urlopen(req).read())]
+        states = [r["state"]["name"] for r in flow_runs(api, name) if r["id"] not in other]
         if final in states or time.monotonic() > deadline:
             return states
         time.sleep(0.5)
