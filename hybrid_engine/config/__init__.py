@@ -13,7 +13,7 @@ names the key and the value.
 
 Modules: `base` (error, section base, shared types), `training` (what is trained and how),
 `infra` (where it runs), `root` (`HybridConfig` and its cross-section checks), `loading`
-(`load_config`, overrides, `flatten`, the README reference).
+(`load_config`, overrides, `flatten`, the reference the docs site renders).
 """
 
 from hybrid_engine.config.base import ConfigError, KLKind, LossAggMode, OptimConfig, Section

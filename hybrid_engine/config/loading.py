@@ -1,5 +1,5 @@
 """Building the config: YAML preset + environment + dotted overrides, one `ConfigError` that
-names the key; flattening for logging; the README's reference tables."""
+names the key; flattening for logging; the reference tables the docs site renders."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def _bounds(metadata: list[Any]) -> str:
 
 def config_reference() -> str:
     """Every key of the config as markdown tables (key, default, type, meaning), one per
-    section, from the model itself (README's configuration reference is this text)."""
+    section, from the model itself (the docs' configuration reference is this text)."""
     lines: list[str] = []
 
     def walk(model: BaseModel, prefix: str) -> None:

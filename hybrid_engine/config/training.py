@@ -109,7 +109,7 @@ class ActorLayout(Section):
 
 
 class PolicyLossConfig(Section):
-    """Which registered policy loss the actor minimises (the README lists them)."""
+    """Which registered policy loss the actor minimises (the reference lists them)."""
 
     mode: PolicyLossName = Field(
         "vanilla", description="registered policy loss: vanilla (PPO-clip), gspo, cispo, ..."
