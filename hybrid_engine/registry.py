@@ -57,6 +57,7 @@ class Registry(Mapping[str, Any]):
     def __init__(self, var: str, kind: str, *homes: str) -> None:
         self.var, self.kind, self.homes = var, kind, homes
         self._entries: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._loaded = False
 
     # ------------------------------------------------------------------ registering
     def register(self, name: str, **info: Any) -> Callable[[T], T]:
@@ -122,9 +123,12 @@ class Registry(Mapping[str, Any]):
         return name
 
     def load(self) -> None:
-        """Import the modules that register the built-in entries."""
-        for home in self.homes:
-            importlib.import_module(home)
+        """Import the modules that register the built-in entries (once: lookups sit on hot
+        paths such as the loss aggregation of every micro-batch)."""
+        if not self._loaded:
+            for home in self.homes:
+                importlib.import_module(home)
+            self._loaded = True
 
     # ------------------------------------------------------------------ the source scan
     @cached_property
