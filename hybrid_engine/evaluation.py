@@ -56,13 +56,22 @@ def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
     else:
         scores = engine._score(batch, "response_ids", "response_mask")
         correct = [s >= 1.0 for s in scores]
+    at = list(range(len(batch)))  # the batch row of each prompt
+    if "episode" in batch:  # agent episodes: one score each; a dropped one scores 0
+        first = {e: j for j, e in reversed(list(enumerate(batch["episode"])))}
+        at = [first.get(i, -1) for i in range(len(prompts))]
+        scores = [scores[j] if j >= 0 else 0.0 for j in at]
+        correct = [bool(correct[j]) if j >= 0 else False for j in at]
     out: dict[str, Any] = {
         "val/accuracy": sum(correct) / len(correct),
         "val/score/mean": sum(scores) / len(scores),
         "val/response_length/mean": float(batch["response_mask"].sum(-1).float().mean()),
         "timing_s/val": time.perf_counter() - start,
     }
-    if "turns" in batch:
+    if "agent_fault" in batch:
+        out |= multi_turn_metrics(batch, "val/", ("done", "fault"))
+        out["val/agent/fault_rate"] = batch.meta["agent_metrics"]["agent/fault_rate"]
+    elif "turns" in batch:
         out |= multi_turn_metrics(batch, "val/")
     if samples:
         ids, mask = batch["response_ids"], batch["response_mask"]
@@ -70,11 +79,13 @@ def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
             {
                 "prompt": row["prompt"][-1]["content"],
                 "score": score,
-                "response": conversation_text(batch["messages"][i])
+                "response": "(dropped: the agent faulted)"
+                if j < 0
+                else conversation_text(batch["messages"][j])
                 if "messages" in batch
-                else engine.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True),
+                else engine.tokenizer.decode(ids[j][mask[j].bool()], skip_special_tokens=True),
             }
-            for i, (row, score) in enumerate(zip(rows[:samples], scores, strict=False))
+            for j, row, score in zip(at, rows[:samples], scores, strict=False)
         ]
     return out
 
@@ -85,8 +96,8 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     cfg, rows = engine.cfg, engine.data.val
     if not rows:
         raise ValueError("data.val_size is 0: nothing to evaluate on")
-    if cfg.rollout.multi_turn.enabled:
-        raise ValueError("evaluate: multi-turn runs are scored by their validation only")
+    if cfg.rollout.multi_turn.enabled or cfg.rollout.agent.function:
+        raise ValueError("evaluate: multi-turn and agent runs are scored by their validation only")
     r, limit = cfg.rollout, cfg.rollout.val.max_new_tokens or cfg.rollout.max_new_tokens
     prompts = prompt_batch(rows, engine.tokenizer, cfg.data.max_prompt_length)
     prompts["uid"] = [f"eval-{i}" for i in range(len(prompts))]

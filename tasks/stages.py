@@ -133,6 +133,12 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
     start = time.perf_counter()
     if engine.cfg.algorithm.filter_groups.enabled:
         batch = _dynamic_rollout(engine, store, step)
+    elif engine.cfg.rollout.agent.function:  # each episode committed as it ends
+        batch = engine.rollout(
+            step,
+            on_turn=lambda k: fault_point(f"step-{step}/rollout:episode-{k}"),
+            episode_log=EpisodeLog(store, step),
+        )
     else:  # a multi-turn rollout passes a crash point after each turn
         batch = engine.rollout(step, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))
     meta = {"metrics": batch.meta["metrics"], "weights_version": int(batch["weights_version"][0])}
@@ -141,6 +147,21 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
     meta["prompts"] = consumed(engine, batch.meta.get("gen_batches", [step]))
     meta["wall_s"] = time.perf_counter() - start
     return _result("rollout", step, store.commit_stage(step, "rollout", batch, meta), meta, False)
+
+
+class EpisodeLog:
+    """Agent episodes of step N's rollout, each committed as it ends
+    (`steps/<N>/rollout-episode<i>`): a rollout killed midway runs none of them again."""
+
+    def __init__(self, store: RunStore, step: int) -> None:
+        self.store, self.step = store, step
+
+    def load(self, i: int) -> dict[str, Any] | None:
+        got = self.store.load_stage(self.step, f"rollout-episode{i}")
+        return None if got is None else got.meta["episode"]
+
+    def save(self, i: int, episode: dict[str, Any]) -> None:
+        self.store.commit_stage(self.step, f"rollout-episode{i}", None, {"episode": episode})
 
 
 def consumed(engine: Engine, gen_batches: list[int]) -> list[dict[str, Any]]:

@@ -58,3 +58,12 @@ def test_one_rank_is_the_identity():
 
 def test_mean_metrics():
     assert mean_metrics([{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.0}]) == {"a": 2.0, "b": 2.0}
+
+
+def test_update_split_fills_a_short_last_mini_batch_with_untrained_rows():
+    batch = rows(6)
+    batch["response_mask"] = torch.ones(6, 3, dtype=torch.long)
+    parts = split_for_update(batch, 2, 4)  # 6 rows -> mini-batches [0..3], [4, 5, 5', 5']
+    assert [p["x"].tolist() for p in parts] == [[0, 1, 4, 5], [2, 3, 5, 5]]
+    assert parts[0]["response_mask"].sum(-1).tolist() == [3, 3, 3, 3]
+    assert parts[1]["response_mask"].sum(-1).tolist() == [3, 3, 0, 0]

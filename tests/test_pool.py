@@ -298,3 +298,21 @@ def test_multi_turn_rollouts_on_two_ranks_match_the_local_loop():
         assert h["multi_turn/turns/mean"] == 2.0
         assert h["critic/score/mean"] == pytest.approx(h_local["critic/score/mean"], abs=1e-6)
     engine.pool.down(stop_head=False)
+
+
+def test_agent_episodes_on_two_ranks_match_the_local_loop():
+    """The endpoint runs in the driver and batches the agents' calls into the pool's
+    generate; a varying number of sequences (faulted episodes dropped) fills the last
+    mini-batch with untrained rows: two ranks give the local loop's weights."""
+    extra = ["rollout.agent.function=agent_fns:picky", "rollout.agent.on_fault=drop"]
+    local, local_hist = train(
+        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8", *extra])
+    )
+    engine = Engine(cfg("agent2", "actor.layout.dp=2", *extra))
+    _, hist = train(engine.cfg, engine=engine)
+    assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), 1e-4)
+    for h, h_local in zip(hist[1:], local_hist[1:], strict=True):
+        assert h["agent/dropped"] == h_local["agent/dropped"]
+        assert h["agent/sequences"] == h_local["agent/sequences"]
+    assert any(h["agent/sequences"] % 8 for h in hist[1:])  # a mini-batch was filled up
+    engine.pool.down(stop_head=False)

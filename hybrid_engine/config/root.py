@@ -135,7 +135,9 @@ class HybridConfig(BaseSettings):
     def max_response_length(self) -> int:
         """The widest response a rollout returns: rollout.max_new_tokens, or with multi-turn
         rollout.multi_turn.max_total_tokens (assistant and observation tokens)."""
-        mt = self.rollout.multi_turn
+        mt, agent = self.rollout.multi_turn, self.rollout.agent
+        if agent.function:
+            return agent.max_context_tokens + self.rollout.max_new_tokens
         return mt.max_total_tokens if mt.enabled else self.rollout.max_new_tokens
 
     @property
@@ -221,6 +223,22 @@ class HybridConfig(BaseSettings):
                 f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} with "
                 "rollout.multi_turn.enabled: the overlong penalty counts one response's tokens; "
                 "set it to 0 (rollout.multi_turn.max_total_tokens bounds a trajectory)"
+            )
+        agent = self.rollout.agent
+        if agent.function and mt.enabled:
+            raise ValueError(
+                f"rollout.agent.function={agent.function!r} with rollout.multi_turn.enabled: "
+                "an agent runs its own conversation; turn one of them off"
+            )
+        if agent.function and (self.greedy_baseline or self.reward.overlong_buffer_len):
+            raise ValueError(
+                f"rollout.agent.function={agent.function!r}: agent episodes have no single "
+                "response for a greedy baseline or reward.overlong_buffer_len to measure"
+            )
+        if agent.function and self.algorithm.filter_groups.enabled:
+            raise ValueError(
+                f"rollout.agent.function={agent.function!r} with algorithm.filter_groups: "
+                "dynamic sampling over agent episodes is not supported yet"
             )
         if mt.enabled and self.greedy_baseline:
             raise ValueError(

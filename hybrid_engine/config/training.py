@@ -239,6 +239,43 @@ class MultiTurnConfig(Section):
         return name
 
 
+class AgentConfig(Section):
+    """Bring your own agent: a function that talks to the policy through an OpenAI-compatible
+    endpoint (`hybrid_engine.rollout.agent`), called once per sample."""
+
+    function: str = Field(
+        "",
+        description="`module:function` called as `function(client, row, **kwargs)` per sample "
+        "(async def: an `openai.AsyncOpenAI` client; def: `openai.OpenAI`, in a thread); "
+        "empty = off",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments passed to the agent function"
+    )
+    max_concurrency: int = Field(16, gt=0, description="agent episodes running at once")
+    timeout_s: float = Field(
+        120.0, gt=0, description="seconds an episode may take; past it, it is a fault"
+    )
+    on_fault: Literal["zero", "drop"] = Field(
+        "zero",
+        description="a faulted episode (raised, timed out, bad return or request, no call): "
+        "its sample scored 0 (zero) or left out of the batch (drop)",
+    )
+    max_context_tokens: int = Field(
+        1024,
+        gt=0,
+        description="tokens a call's prompt may have; a longer one is refused (a fault), and "
+        "the widest training sequence is this plus rollout.max_new_tokens",
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _loadable(cls, spec: str) -> str:
+        if spec:
+            load_spec(spec, "rollout.agent.function")  # raises naming it
+        return spec
+
+
 class RolloutConfig(Section):
     name: RolloutBackend = Field(
         "hf",
@@ -255,6 +292,7 @@ class RolloutConfig(Section):
     micro_batch_size: int = Field(64, gt=0, description="sequences decoded together")
     val: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
 
 class RefConfig(Section):

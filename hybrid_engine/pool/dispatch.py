@@ -35,8 +35,15 @@ def split_rows(batch: Batch, ranks: int) -> tuple[list[Batch], int]:
 
 
 def split_for_update(batch: Batch, ranks: int, mini_batch_size: int) -> list[Batch]:
-    """Rank r gets the r-th slice of every mini-batch, mini-batches kept in order."""
-    if len(batch) % mini_batch_size or mini_batch_size % ranks:
+    """Rank r gets the r-th slice of every mini-batch, mini-batches kept in order. A batch
+    whose length does not divide into mini-batches (agent episodes give a varying number of
+    sequences) is filled up with copies of its last row whose `response_mask` is 0: no loss
+    counts a row without a masked token."""
+    if pad := -len(batch) % mini_batch_size:
+        filler = batch.take([len(batch) - 1] * pad)
+        filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+        batch = Batch.concat([batch, filler])
+    if mini_batch_size % ranks:
         raise ValueError(
             f"a batch of {len(batch)} samples cannot be divided into mini-batches of "
             f"{mini_batch_size} over {ranks} ranks"

@@ -47,8 +47,12 @@ def logits_warpers(sampling: SamplingParams) -> LogitsProcessorList:
 _BLOCK = 256  # vocabulary entries per CDF block (SmolLM2: 49152 = 192 blocks)
 
 
-def sample_tokens(logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor, greedy: bool, generators: list[torch.Generator] | None = None
+) -> torch.Tensor:
     """One token per row from (rows, vocab) logits: argmax, or a draw from softmax(logits).
+    With `generators` (one per row), row i's uniform number comes from its own generator, so
+    its draw does not depend on the other rows of the batch.
 
     The draw inverts the CDF with one uniform number per row, in two levels: the float64 CDF
     over blocks of 256 entries picks a block, then the float64 CDF inside that block picks the
@@ -68,7 +72,12 @@ def sample_tokens(logits: torch.Tensor, greedy: bool) -> torch.Tensor:
     blocks = weights.view(rows, -1, _BLOCK)
     mass = blocks.sum(-1).double()  # (rows, blocks): float32 sums of 256, exact to ~1e-7
     cdf = mass.cumsum(-1)
-    u = torch.rand(rows, 1, dtype=torch.float64, device=logits.device) * cdf[:, -1:]
+    if generators is None:
+        u = torch.rand(rows, 1, dtype=torch.float64, device=logits.device)
+    else:
+        u = torch.cat([torch.rand(1, 1, dtype=torch.float64, generator=g) for g in generators])
+        u = u.to(logits.device)
+    u = u * cdf[:, -1:]
     block = _invert(cdf, u)
     inner = blocks[torch.arange(rows, device=logits.device), block].double().cumsum(-1)
     below = cdf.gather(1, block[:, None]) - mass.gather(1, block[:, None])  # mass before it
@@ -94,6 +103,7 @@ def decode(
     pad_token_id: int,
     on_step: Callable[[int], None] | None = None,
     log_probs_out: list[torch.Tensor] | None = None,
+    row_seeds: list[int] | None = None,
 ) -> torch.Tensor:
     """(rows, steps) response tokens for left-padded prompts, pad after each row's EOS.
 
@@ -107,7 +117,8 @@ def decode(
     every row has emitted EOS. `on_step(k)`: k rows were still open and sampled a token.
     `log_probs_out`, if given, receives per step the (rows,) log-probs of the sampled tokens
     under softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p: the
-    distribution the training side computes its log-probs from."""
+    distribution the training side computes its log-probs from. `row_seeds`: each row samples
+    from its own generator (the agent endpoint's calls, batched as they come)."""
     rows, width = prompt_ids.shape
     steps = sampling.max_new_tokens
     cache = StaticCache(config=model.config, max_cache_len=width + steps)
@@ -131,9 +142,10 @@ def decode(
     position = prompt_mask.sum(-1, keepdim=True)  # of the first response token
     out = torch.full((rows, steps), pad_token_id, dtype=prompt_ids.dtype, device=prompt_ids.device)
     done = torch.zeros(rows, dtype=torch.bool, device=prompt_ids.device)
+    gens = None if row_seeds is None else [torch.Generator().manual_seed(s) for s in row_seeds]
     for t in range(steps):
         scores = warpers(out[:, :t], logits.float())
-        token = sample_tokens(scores, sampling.greedy).masked_fill_(done, pad_token_id)
+        token = sample_tokens(scores, sampling.greedy, gens).masked_fill_(done, pad_token_id)
         out[:, t] = token
         if log_probs_out is not None:
             z = logits.float() / (sampling.temperature or 1.0)
@@ -203,6 +215,7 @@ class HFRollout:
                 prompt_ids = part["prompt_ids"].to(device)
                 prompt_mask = part["prompt_mask"].to(device)
                 steps: list[torch.Tensor] | None = [] if sampling.log_probs else None
+                seeds = part["row_seed"].tolist() if "row_seed" in part else None
                 out = decode(
                     self.model,
                     prompt_ids,
@@ -212,6 +225,7 @@ class HFRollout:
                     pad,
                     on_step=self._count,
                     log_probs_out=steps,
+                    row_seeds=seeds,
                 )
                 chunks.append(out.cpu())
                 if steps is not None:

@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from hybrid_engine.batch import Batch
 from hybrid_engine.rewards import token_level_scores
 from hybrid_engine.rollout.base import SamplingParams
-from hybrid_engine.rollout.envs import Environment, Messages
+from hybrid_engine.rollout.envs import Environment, Messages, make_environment
 
 Generate = Callable[[Batch, SamplingParams], Batch]
 TURN_SEED_STRIDE = 1_000_003  # turn k samples with seed + (k - 1) * stride
@@ -201,6 +201,30 @@ def multi_turn_rollout(
     return trajectories_batch(prompts, trajs, pad, sampling.log_probs, gen_s, env_s, turn_rows)
 
 
+def env_rollout(
+    generate: Generate,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Batch,
+    sampling: SamplingParams,
+    mt: Any,
+    max_prompt_length: int,
+    on_turn: Callable[[int], None] | None = None,
+) -> Batch:
+    """`multi_turn_rollout` with a new environment per row, as `rollout.multi_turn` says."""
+    envs = [make_environment(mt.environment, mt.env_kwargs) for _ in range(len(prompts))]
+    return multi_turn_rollout(
+        generate,
+        tokenizer,
+        prompts,
+        envs,
+        sampling,
+        mt.max_turns,
+        mt.max_total_tokens,
+        max_prompt_length,
+        on_turn,
+    )
+
+
 def left_padded(rows: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
@@ -263,7 +287,12 @@ def trajectories_batch(
     return Batch(tensors, fields, {**prompts.meta, **meta})
 
 
-def multi_turn_metrics(batch: Batch, prefix: str = "multi_turn/") -> dict[str, float]:
+STOPS = ("done", "max_turns", "max_total_tokens")
+
+
+def multi_turn_metrics(
+    batch: Batch, prefix: str = "multi_turn/", stops: tuple[str, ...] = STOPS
+) -> dict[str, float]:
     """Turns, tool use, success and stop reasons of a multi-turn batch."""
     n = len(batch)
     turns = sum(batch["turns"])
@@ -284,7 +313,7 @@ def multi_turn_metrics(batch: Batch, prefix: str = "multi_turn/") -> dict[str, f
     }
     if known:
         out[f"{prefix}success_rate"] = sum(known) / len(known)
-    for reason in ("done", "max_turns", "max_total_tokens"):
+    for reason in stops:
         out[f"{prefix}stop/{reason}"] = batch["stop"].count(reason) / n
     return out
 

@@ -281,6 +281,9 @@ class VLLMRollout:
             self._sampling_params_cls(**kw)
             for kw in vllm_sampling_kwargs(sampling, eos, row_offset, len(prompts))
         ]
+        if "row_seed" in batch and not sampling.greedy:  # the agent endpoint's own seeds
+            for p, seed in zip(params, batch["row_seed"].tolist(), strict=True):
+                p.seed = seed
         start = time.perf_counter()
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False

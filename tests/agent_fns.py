@@ -1,0 +1,127 @@
+"""Agent functions the tests train and roll out with (`rollout.agent.function:
+agent_fns:<name>`): plain programs written against the `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import openai
+
+
+async def answer_then_revise(client: openai.AsyncOpenAI, row: dict, **_: object) -> None:
+    """Answer, then check the answer and revise it once: two calls, the second extending
+    the first. Returns None: the reward stage scores the final answer."""
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "Check your answer. Reply with the final number only."},
+    ]
+    await client.chat.completions.create(model="policy", messages=messages)
+
+
+def answer_sync(client: openai.OpenAI, row: dict, scale: float = 1.0) -> dict:
+    """One call with the plain client; the reward is the answer's length, scaled."""
+    out = client.chat.completions.create(model="any", messages=row["prompt"], max_tokens=6)
+    text = out.choices[0].message.content or ""
+    return {
+        "reward": scale * len(text) / 100,
+        "info": {"success": len(text) > 10, "chars": len(text)},
+    }
+
+
+async def rewrite_history(client: openai.AsyncOpenAI, row: dict) -> float:
+    """Two calls, the second from a rewritten history (the first answer summarised): a split."""
+    first = await client.chat.completions.create(model="m", messages=row["prompt"])
+    summary = (first.choices[0].message.content or "")[:5]
+    await client.chat.completions.create(
+        model="m",
+        messages=[
+            *row["prompt"],
+            {"role": "assistant", "content": summary},
+            {"role": "user", "content": "Again."},
+        ],
+    )
+    return 0.5
+
+
+async def raises(client: openai.AsyncOpenAI, row: dict) -> float:
+    await client.chat.completions.create(model="m", messages=row["prompt"])
+    raise RuntimeError("the agent broke")
+
+
+async def hangs(client: openai.AsyncOpenAI, row: dict) -> float:
+    await client.chat.completions.create(model="m", messages=row["prompt"])
+    await asyncio.sleep(3600)
+    return 1.0
+
+
+def hangs_sync(client: openai.OpenAI, row: dict) -> float:
+    client.chat.completions.create(model="m", messages=row["prompt"])
+    time.sleep(3600)
+    return 1.0
+
+
+async def junk(client: openai.AsyncOpenAI, row: dict) -> str:
+    await client.chat.completions.create(model="m", messages=row["prompt"])
+    return "a string is not a reward"
+
+
+async def unknown_tool(client: openai.AsyncOpenAI, row: dict) -> float:
+    """Sends a history with a call to a tool the request does not offer; catches the error."""
+    await client.chat.completions.create(model="m", messages=row["prompt"])
+    call = {"id": "c1", "type": "function", "function": {"name": "shell", "arguments": "{}"}}
+    with contextlib.suppress(openai.BadRequestError):  # the agent goes on
+        await client.chat.completions.create(
+            model="m",
+            messages=[
+                *row["prompt"],
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ],
+        )
+    return 1.0
+
+
+async def malformed(client: openai.AsyncOpenAI, row: dict) -> float:
+    await client.chat.completions.create(model="m", messages=[{"role": "narrator", "content": "x"}])
+    return 1.0
+
+
+async def no_call(client: openai.AsyncOpenAI, row: dict) -> float:
+    return 1.0
+
+
+async def probe(client: openai.AsyncOpenAI, row: dict) -> dict:
+    """One call with n, logprobs, stop, temperature and max_tokens; reports what came back."""
+    models = await client.models.list()
+    out = await client.chat.completions.create(
+        model="whatever",
+        messages=row["prompt"],
+        n=3,
+        logprobs=True,
+        temperature=0.7,
+        max_completion_tokens=5,
+    )
+    return {
+        "reward": 1.0,
+        "info": {
+            "models": len(models.data),
+            "choices": len(out.choices),
+            "completion_tokens": out.usage.completion_tokens,
+            "logprob_tokens": sum(len(c.logprobs.content) for c in out.choices),
+            "longest": max(len(c.logprobs.content) for c in out.choices),
+        },
+    }
+
+
+async def picky(client: openai.AsyncOpenAI, row: dict) -> float:
+    """One call; raises when the answer has an odd number of characters (a data-dependent
+    share of faults)."""
+    out = await client.chat.completions.create(model="m", messages=row["prompt"])
+    text = out.choices[0].message.content or ""
+    if len(text) % 2:
+        raise ValueError("odd")
+    return len(text) / 50

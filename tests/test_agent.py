@@ -1,0 +1,242 @@
+"""Agent rollouts on the tiny random model: user functions written against the real `openai`
+clients talk to the policy's endpoint; the training sequences are the recorded token ids
+(never sampled text tokenized again), split where a call does not extend the last one;
+faults are counted and never stop the rollout; the same step gives the same batch."""
+
+import copy
+
+import pytest
+import torch
+
+from hybrid_engine.config import ConfigError, load_config
+from hybrid_engine.engine import Engine
+from hybrid_engine.rollout.agent.chat import BadRequest, ChatRequest, parse_completion
+from hybrid_engine.rollout.agent.episodes import Episode
+from hybrid_engine.rollout.multiturn import encode, render
+
+pytestmark = pytest.mark.fast
+TIMEOUT = "rollout.agent.timeout_s=3"
+
+
+def engine_for(fn: str, *extra: str) -> Engine:
+    return Engine(
+        load_config("configs/grpo_tiny.yaml", [f"rollout.agent.function=agent_fns:{fn}", *extra])
+    )
+
+
+class Log:
+    """An episode log in memory (the rollout task's commits to storage, without storage)."""
+
+    def __init__(self, keep: dict | None = None) -> None:
+        self.saved: dict[int, dict] = dict(keep or {})
+
+    def load(self, i: int) -> dict | None:
+        return self.saved.get(i)
+
+    def save(self, i: int, doc: dict) -> None:
+        self.saved[i] = copy.deepcopy(doc)
+
+
+def rows_of(batch, episode: int) -> list[int]:
+    return [j for j, e in enumerate(batch["episode"]) if e == episode]
+
+
+def trained(batch, j: int) -> list[int]:
+    return batch["response_ids"][j][batch["response_mask"][j].bool()].tolist()
+
+
+def prompt(batch, j: int) -> list[int]:
+    return batch["prompt_ids"][j][batch["prompt_mask"][j].bool()].tolist()
+
+
+def test_async_agent_two_calls_make_one_token_exact_sequence():
+    engine, log = engine_for("answer_then_revise"), Log()
+    batch = engine.rollout(1, episode_log=log)
+    m = batch.meta["metrics"]
+    assert m["agent/episodes"] == 16 and m["agent/sequences"] == 16 and m["agent/splits"] == 0
+    assert m["agent/calls/mean"] == 2 and m["agent/fault_rate"] == 0
+    for i, doc in log.saved.items():
+        ep = Episode.from_json(doc)
+        first, second = ep.calls
+        assert second.extends == [0, 0]
+        sampled = first.choices[0].ids
+        assert (
+            second.prompt_ids[: len(first.prompt_ids) + len(sampled)] == first.prompt_ids + sampled
+        )
+        (j,) = rows_of(batch, i)
+        assert prompt(batch, j) == first.prompt_ids
+        assert trained(batch, j) == sampled + second.choices[0].ids
+        width = len(second.prompt_ids) + len(second.choices[0].ids) - len(first.prompt_ids)
+        seen = batch["attention_mask"][j, -batch["response_mask"].shape[1] :]
+        assert int(seen.sum()) == width  # the context between the calls is there, untrained
+    # the reward stage scores each episode's final answer (the agent returned None)
+    scored = engine.reward(batch)
+    assert scored["scores"].shape == (16,)
+
+
+def test_sync_agent_kwargs_rewards_and_info():
+    engine = engine_for("answer_sync", "rollout.agent.kwargs={scale: 2.0}")
+    batch = engine.reward(engine.rollout(1))
+    m = batch.meta["metrics"]
+    assert all(len(trained(batch, j)) <= 6 for j in range(len(batch)))  # max_tokens=6
+    texts = batch["final_response"]
+    assert batch["scores"].tolist() == pytest.approx([2.0 * len(t) / 100 for t in texts])
+    assert batch["acc"].tolist() == [float(len(t) > 10) for t in texts]  # info's success
+    assert m["agent/info/chars/mean"] == pytest.approx(sum(map(len, texts)) / len(texts))
+
+
+def test_request_options_reach_the_backend():
+    batch = engine_for("probe").rollout(1)
+    m = batch.meta["metrics"]
+    assert m["agent/info/models/mean"] == 1 and m["agent/info/choices/mean"] == 3
+    assert m["agent/info/longest/mean"] <= 5
+    assert m["agent/info/logprob_tokens/mean"] == m["agent/info/completion_tokens/mean"]
+    # n=3 choices, the agent went on with none: three sequences per episode
+    assert m["agent/sequences"] == 48 and m["agent/splits"] == 0
+
+
+def test_rewritten_history_splits_the_episode():
+    engine, log = engine_for("rewrite_history"), Log()
+    batch = engine.reward(engine.rollout(1, episode_log=log))
+    assert batch.meta["metrics"]["agent/splits"] == 16 and len(batch) == 32
+    for i, doc in log.saved.items():
+        calls = Episode.from_json(doc).calls
+        assert calls[1].extends is None
+        a, b = rows_of(batch, i)
+        assert batch["uid"][a] == batch["uid"][b]
+        assert prompt(batch, b) == calls[1].prompt_ids
+        assert trained(batch, a) == calls[0].choices[0].ids
+        assert trained(batch, b) == calls[1].choices[0].ids
+    assert batch["scores"].tolist() == [0.5] * 32
+
+
+# Earlier assistant turns lose their <think> part (as DeepSeek-R1's and Qwen3's templates do):
+# the generation prompt opens "<think>\n", history renders only what follows "</think>".
+THINK_TEMPLATE = (
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last -%}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n' + m.content.split('</think>')[-1] + '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif -%}"
+)
+
+
+def test_reasoning_template_that_drops_think_blocks_trains_the_sampled_ids():
+    engine, log = engine_for("answer_then_revise"), Log()
+    tok = engine.tokenizer = copy.deepcopy(engine.tokenizer)
+    tok.chat_template = THINK_TEMPLATE
+    batch = engine.rollout(1, episode_log=log)
+    assert batch.meta["metrics"]["agent/splits"] == 16
+    for i, doc in log.saved.items():
+        first, second = Episode.from_json(doc).calls
+        assert second.extends is None
+        a, b = rows_of(batch, i)
+        assert trained(batch, a) == first.choices[0].ids  # exactly what was sampled
+        assert trained(batch, b) == second.choices[0].ids
+        assert prompt(batch, a) == first.prompt_ids and prompt(batch, b) == second.prompt_ids
+        # the premise: the template's own rendering of the conversation drops the "<think>\n"
+        # the first answer was sampled after, so its tokens are not the sampled ones
+        whole = [*second.messages, second.choices[0].message]
+        rerendered = encode(tok, render(tok, whole, None, False))
+        sampled = first.prompt_ids + first.choices[0].ids
+        assert rerendered[: len(sampled)] != sampled
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [
+        ("raises", "raised"),
+        ("hangs", "timeout"),
+        ("hangs_sync", "timeout"),
+        ("junk", "bad_return"),
+        ("unknown_tool", "unknown_tool"),
+        ("malformed", "malformed_message"),
+        ("no_call", "no_calls"),
+    ],
+)
+def test_each_fault_is_counted_and_scored_zero(fn, reason, caplog):
+    engine = engine_for(fn, TIMEOUT)
+    batch = engine.reward(engine.rollout(1))
+    m = batch.meta["metrics"]
+    assert m[f"agent/faults/{reason}"] == 16 and m["agent/fault_rate"] == 1
+    assert batch["scores"].tolist() == [0.0] * len(batch)
+    assert batch["agent_fault"] == [reason] * len(batch)
+    named = [r for r in caplog.records if r.name == "hybridrl.agent"]
+    assert len(named) == 16 and all(reason in r.getMessage() for r in named)
+    engine.update(engine.advantage(batch))  # the step goes on
+
+
+def test_dropped_faults_leave_the_batch_and_the_step_trains():
+    engine = engine_for("picky", "rollout.agent.on_fault=drop")
+    batch = engine.reward(engine.rollout(1))
+    m = batch.meta["metrics"]
+    faults = m.get("agent/faults/raised", 0)
+    assert 0 < faults < 16 and len(batch) == 16 - faults == 16 - m["agent/dropped"]
+    assert all(len(t) % 2 == 0 for t in batch["final_response"])
+    result = engine.update(engine.advantage(batch))
+    assert result.meta["metrics"]["actor/pg_loss"] == result.meta["metrics"]["actor/pg_loss"]
+
+
+def test_same_step_same_batch_and_resumed_episodes_are_reused():
+    first, log = engine_for("answer_then_revise"), Log()
+    a = first.rollout(1, episode_log=log)
+    b = engine_for("answer_then_revise").rollout(1)
+    for k in ("input_ids", "response_mask", "attention_mask"):
+        assert torch.equal(a[k], b[k]), k
+    # a rollout killed after 5 episodes: those come back as they were, the rest run again
+    kept = {i: log.saved[i] for i in range(5)}
+    for doc in kept.values():  # mark them: a reused episode keeps what was recorded
+        doc["calls"][0]["choices"][0]["log_probs"][0] = -123.0
+    resumed = engine_for("answer_then_revise", "algorithm.rollout_correction.level=token")
+    c = resumed.rollout(1, episode_log=Log(kept))
+    assert c.meta["metrics"]["agent/resumed"] == 5
+    lps = c["rollout_log_probs"]
+    assert all(float(lps[rows_of(c, i)[0], 0]) == -123.0 for i in range(5))
+    assert all(float(lps[rows_of(c, i)[0], 0]) != -123.0 for i in range(5, 16))
+
+
+def test_validation_scores_each_episode_once():
+    engine = engine_for("rewrite_history", "data.val_size=4")
+    out = engine.validate(2)
+    assert out["val/score/mean"] == 0.5 and len(out["_samples"]) == 2
+
+
+def test_tool_calls_are_parsed_by_the_template_convention(tokenizer):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    req = ChatRequest.parse({"messages": [{"role": "user", "content": "x"}], "tools": tools})
+    text = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    msg = parse_completion(tokenizer, text, "", req, "c")
+    assert msg["content"] == "Let me add."
+    assert msg["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
+    for other in (
+        '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+        "<tool_call>{</tool_call>",
+    ):
+        assert parse_completion(tokenizer, other, "", req, "c") == {
+            "role": "assistant",
+            "content": other,
+        }
+    no_tools = ChatRequest.parse({"messages": [{"role": "user", "content": "x"}]})
+    assert "tool_calls" not in parse_completion(tokenizer, text, "", no_tools, "c")
+
+
+def test_bad_requests_name_the_field():
+    with pytest.raises(BadRequest, match="messages: List should have at least 1"):
+        ChatRequest.parse({"messages": []})
+    with pytest.raises(BadRequest, match="^n: "):
+        ChatRequest.parse({"messages": [{"role": "user", "content": "x"}], "n": 0})
+    with pytest.raises(BadRequest, match="stream"):
+        ChatRequest.parse({"messages": [{"role": "user", "content": "x"}], "stream": True})
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="rollout.agent.function"):
+        load_config("configs/grpo_tiny.yaml", ["rollout.agent.function=agent_fns:nope"])
+    with pytest.raises(ConfigError, match="rollout.multi_turn.enabled"):
+        load_config("configs/multiturn_tiny.yaml", ["rollout.agent.function=agent_fns:answer_sync"])
