@@ -1,4 +1,5 @@
-"""Prompt data: verl-style rows from reasoning-gym or from parquet/jsonl files.
+"""Prompt data: verl-style rows from reasoning-gym, a verifiers environment, or parquet/jsonl
+files.
 
 A row is a dict:
     prompt          list of chat messages [{"role": ..., "content": ...}]
@@ -24,6 +25,7 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.config import DataConfig
 
 RG_PREFIX = "reasoning_gym:"
+VF_PREFIX = "verifiers:"  # a verifiers environment's dataset (`rollout.agent.verifiers_env`)
 
 
 def _json_safe(x: Any) -> Any:
@@ -92,12 +94,18 @@ def file_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def load_rows(source: str, size: int, seed: int, cfg: DataConfig) -> list[dict[str, Any]]:
+def load_rows(
+    source: str, size: int, seed: int, cfg: DataConfig, split: str = "train"
+) -> list[dict[str, Any]]:
     if source.startswith(RG_PREFIX):
         task = source.removeprefix(RG_PREFIX)
         return reasoning_gym_rows(
             task, size, seed, cfg.task_config, cfg.system_prompt, cfg.prompt_suffix
         )
+    if source.startswith(VF_PREFIX):  # the [verifiers] extra
+        from hybrid_engine.rollout.agent.verifiers_env import verifiers_rows
+
+        return verifiers_rows(source.removeprefix(VF_PREFIX), size, seed, cfg.task_config, split)
     return file_rows(source)
 
 
@@ -109,8 +117,8 @@ class PromptData:
         self.train = load_rows(cfg.train_source, cfg.train_size, cfg.train_seed, cfg)
         if cfg.val_source is not None:
             val = load_rows(cfg.val_source, cfg.val_size, cfg.val_seed, cfg)
-        elif cfg.train_source.startswith(RG_PREFIX):
-            val = load_rows(cfg.train_source, cfg.val_size, cfg.val_seed, cfg)
+        elif cfg.train_source.startswith((RG_PREFIX, VF_PREFIX)):
+            val = load_rows(cfg.train_source, cfg.val_size, cfg.val_seed, cfg, "eval")
         else:
             val = []
         # A validation question that also occurs in training measures memory, not skill.

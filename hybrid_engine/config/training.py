@@ -49,13 +49,16 @@ class TinyModelConfig(Section):
 class DataConfig(Section):
     train_source: str = Field(
         "reasoning_gym:basic_arithmetic",
-        description="`reasoning_gym:<task>` or a .parquet/.jsonl file of verl-style rows",
+        description="`reasoning_gym:<task>`, `verifiers:<environment>` (the [verifiers] "
+        "extra) or a .parquet/.jsonl file of verl-style rows",
     )
     val_source: str | None = Field(
         None, description="validation rows; None = a held-out split of the task generator"
     )
     task_config: dict[str, Any] = Field(
-        default_factory=dict, description="keyword arguments of the reasoning-gym generator"
+        default_factory=dict,
+        description="keyword arguments of the reasoning-gym generator or of the verifiers "
+        "environment's loader",
     )
     train_size: int = Field(2000, gt=0, description="prompts generated for training (one epoch)")
     val_size: int = Field(64, ge=0, description="held-out prompts for validation")
@@ -209,7 +212,8 @@ class MultiTurnConfig(Section):
     enabled: bool = Field(False, description="roll out conversations with an environment")
     environment: str = Field(
         "feedback",
-        description="a registered environment or `module:Class`",
+        description="a registered environment, `module:Class`, or `openenv:<server URL or "
+        "module.Class>` (the [openenv] extra)",
         json_schema_extra={"registry": "ENVIRONMENTS"},
     )
     env_kwargs: dict[str, Any] = Field(
@@ -231,6 +235,8 @@ class MultiTurnConfig(Section):
     @field_validator("environment")
     @classmethod
     def _known_environment(cls, name: str) -> str:
+        if name.startswith("openenv:"):  # a server or a class, reached when the run starts
+            return name
         if ":" not in name:
             return ENVIRONMENTS.check(name, "rollout.multi_turn.environment")
         cls = load_spec(name, "rollout.multi_turn.environment", "Class")  # raises naming it
@@ -252,7 +258,7 @@ class AgentConfig(Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="keyword arguments passed to the agent function"
     )
-    max_concurrency: int = Field(16, gt=0, description="agent episodes running at once")
+    max_concurrency: int = Field(64, gt=0, description="agent episodes running at once")
     timeout_s: float = Field(
         120.0, gt=0, description="seconds an episode may take; past it, it is a fault"
     )

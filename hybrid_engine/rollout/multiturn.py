@@ -198,6 +198,9 @@ def multi_turn_rollout(
                     t.messages += obs
         if on_turn is not None:
             on_turn(turn)
+    for t in trajs:
+        if callable(close := getattr(t.env, "close", None)):
+            close()
     return trajectories_batch(prompts, trajs, pad, sampling.log_probs, gen_s, env_s, turn_rows)
 
 

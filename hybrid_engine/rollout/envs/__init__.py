@@ -1,5 +1,7 @@
 """Environments for multi-turn rollouts: the interface and registry (`base`), feedback and
-retry (`feedback`), tools (`tools`, run by `tool_runner`)."""
+retry (`feedback`), tools (`tools`, run by `tool_runner`), OpenEnv servers (`openenv_env`)."""
+
+from typing import Any
 
 from hybrid_engine.registry import ENVIRONMENTS
 from hybrid_engine.rollout.envs.base import (
@@ -7,9 +9,9 @@ from hybrid_engine.rollout.envs.base import (
     Messages,
     Step,
     environment_class,
-    make_environment,
     register_environment,
 )
+from hybrid_engine.rollout.envs.base import make_environment as _make_registered
 from hybrid_engine.rollout.envs.feedback import FeedbackEnv
 from hybrid_engine.rollout.envs.tools import CalculatorEnv, ToolEnvironment
 
@@ -25,3 +27,14 @@ __all__ = [
     "make_environment",
     "register_environment",
 ]
+
+
+def make_environment(spec: str, kwargs: dict[str, Any]) -> Environment:
+    """A new environment (one per trajectory): a registered name, `module:Class`, or
+    `openenv:<server URL or module.Class>`, a session with an OpenEnv server (the [openenv]
+    extra)."""
+    if spec.startswith("openenv:"):
+        from hybrid_engine.rollout.envs.openenv_env import OpenEnvEnvironment
+
+        return OpenEnvEnvironment(spec.removeprefix("openenv:"), **kwargs)
+    return _make_registered(spec, kwargs)

@@ -13,8 +13,9 @@ a float or None (the rollout keeps the last one given; see `rollout.multi_turn`)
 `tool_errors` (ints, summed over the turns). Plain Python, synchronous; everything random
 must come from `seed`, so a trajectory is a pure function of (row, seed, the policy's text).
 
-An environment is named by a registered name (`@ENVIRONMENTS.register("name")`) or by
-`module:Class`; its constructor takes `rollout.multi_turn.env_kwargs`.
+An environment is named by a registered name (`@ENVIRONMENTS.register("name")`), by
+`module:Class`, or by `openenv:<server URL or module.Class>` (`openenv_env`); its constructor
+takes `rollout.multi_turn.env_kwargs`. One with a `close()` is closed after its trajectory.
 """
 
 from __future__ import annotations
