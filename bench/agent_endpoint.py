@@ -2,8 +2,8 @@
 
 Both roll out the same two-turn conversation: the policy answers, is told "Check your
 answer. Reply with the final number only.", answers again. The multi-turn loop drives an
-environment (`Revise`) from the rollout's thread; the agent (`revise`) is a program written
-against the `openai` client, and its calls go through HTTP to the endpoint, which batches
+environment (`Revise`) from the rollout's thread; the agent (`examples.answer_then_check`)
+is a program written against the `openai` client, and its calls go through HTTP to the endpoint, which batches
 them into the same backend's generate. Same preset, prompts, seeds, `rollout.n`,
 `rollout.max_new_tokens` and model; only the path differs.
 
@@ -23,9 +23,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import openai
-
-sys.path.insert(0, str(Path(__file__).parent))  # this module: the agent and the environment
+sys.path.insert(0, str(Path(__file__).parent))  # this module: the environment `Revise`
 
 from hybrid_engine.config import load_config  # noqa: E402
 from hybrid_engine.data import prompt_batch  # noqa: E402
@@ -50,17 +48,6 @@ class Revise(Environment):
         if self.turn == 1:
             return Step([{"role": "user", "content": CHECK}], None, False, {})
         return Step(None, None, True, {})
-
-
-async def revise(client: openai.AsyncOpenAI, row: dict) -> None:
-    """The same two turns as an agent program."""
-    messages = list(row["prompt"])
-    first = await client.chat.completions.create(model="policy", messages=messages)
-    messages += [
-        first.choices[0].message.model_dump(exclude_none=True),
-        {"role": "user", "content": CHECK},
-    ]
-    await client.chat.completions.create(model="policy", messages=messages)
 
 
 def main() -> None:
@@ -108,8 +95,8 @@ def main() -> None:
     measure("multi-turn loop", lambda p, s: env_rollout(generate, tok, p, s, mt, 4096))
     for c in [int(x) for x in args.concurrency.split(",")]:
         agent = SimpleNamespace(
-            function="agent_endpoint:revise",
-            kwargs={},
+            function="hybrid_engine.rollout.agent.examples:answer_then_check",
+            kwargs={"check": CHECK},
             max_concurrency=c,
             timeout_s=600.0,
             on_fault="zero",
