@@ -211,19 +211,19 @@ def test_tool_calls_are_parsed_by_the_template_convention(tokenizer):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
     req = ChatRequest.parse({"messages": [{"role": "user", "content": "x"}], "tools": tools})
     text = 'Let me add. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
-    msg = parse_completion(tokenizer, text, "", req, "c")
+    msg = parse_completion(tokenizer, text, [], req, "c")
     assert msg["content"] == "Let me add."
     assert msg["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
     for other in (
         '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
         "<tool_call>{</tool_call>",
     ):
-        assert parse_completion(tokenizer, other, "", req, "c") == {
+        assert parse_completion(tokenizer, other, [], req, "c") == {
             "role": "assistant",
             "content": other,
         }
     no_tools = ChatRequest.parse({"messages": [{"role": "user", "content": "x"}]})
-    assert "tool_calls" not in parse_completion(tokenizer, text, "", no_tools, "c")
+    assert "tool_calls" not in parse_completion(tokenizer, text, [], no_tools, "c")
 
 
 def test_bad_requests_name_the_field():

@@ -216,7 +216,7 @@ def template_messages(req: ChatRequest) -> list[dict[str, Any]]:
 
 
 def parse_completion(
-    tokenizer: Any, text: str, prompt_text: str, req: ChatRequest, call_id: str
+    tokenizer: Any, text: str, prompt_ids: list[int], req: ChatRequest, call_id: str
 ) -> dict[str, Any]:
     """The assistant message of a sampled `text`: tool calls parsed when the request offers
     tools (and `tool_choice` is not "none") by the tokenizer's `response_template`
@@ -227,7 +227,7 @@ def parse_completion(
     if not req.tools or req.tool_choice == "none":
         return msg
     if getattr(tokenizer, "response_template", None) is not None:
-        parsed = tokenizer.parse_response(text, prefix=prompt_text, tools=req.tools)
+        parsed = tokenizer.parse_response(text, prefix=prompt_ids, tools=req.tools)
         calls = [
             (c["function"]["name"], c["function"].get("arguments") or {})
             for c in parsed.get("tool_calls") or []

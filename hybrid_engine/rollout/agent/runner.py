@@ -297,6 +297,5 @@ def _choice(tokenizer: Any, ids: list[int], lps: list[float], p: Pending, k: int
                 break
         text, finish = text[:pos], "stop"
     call_id = f"call-{p.episode}-{p.call.index}-{k}"
-    prompt_text = tokenizer.decode(p.call.prompt_ids)
-    message = parse_completion(tokenizer, text, prompt_text, p.req, call_id)
+    message = parse_completion(tokenizer, text, p.call.prompt_ids, p.req, call_id)
     return Choice(ids, lps, message, finish)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import json
 import threading
+import time
 import typing
 from typing import Any
 
@@ -66,7 +67,7 @@ def serve_class(path: str) -> str:
             target=server.run, kwargs={"sockets": [sock]}, name="openenv", daemon=True
         ).start()
         while not server.started:
-            threading.Event().wait(0.01)
+            time.sleep(0.01)
         _SERVED[path] = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return _SERVED[path]
 
