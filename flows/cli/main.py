@@ -6,6 +6,7 @@
     hybridrl replay RUN_ID STEP/STAGE | --all    recompute stored stages, compare (audit)
     hybridrl evaluate NAME/VERSION | --run-id R  greedy acc, pass@k, maj@k; promotion gate
     hybridrl register RUN_ID [--step N]          a policy into MLflow's Model Registry
+    hybridrl warmstart CONFIG --demos M:F        supervised warm-start on demonstrations
     hybridrl runs list|show RUN|compare A B      runs as MLflow tracked them
     hybridrl runs tree RUN | delete RUN          a run's forks; delete what no fork uses
     hybridrl pool status [--pool NAME]           the persistent workers: version, role, RSS
@@ -352,6 +353,7 @@ app.add_typer(cluster_app, name="cluster")
 
 app.command("evaluate")(cli_models.evaluate)
 app.command("register")(cli_models.register)
+app.command("warmstart")(cli_models.warmstart)
 
 pool_app = typer.Typer(help="The persistent Ray worker pool.")
 app.add_typer(pool_app, name="pool")

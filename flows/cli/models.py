@@ -75,3 +75,50 @@ def register(
         f"registered as [bold]{name}[/]: load it with "
         f"mlflow.transformers.load_model('models:/{name}')"
     )
+
+
+def warmstart(
+    config: Annotated[str, typer.Argument(help="YAML preset: its model and training rows")],
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="dotted overrides: data.train_size=1000")
+    ] = None,
+    demos: Annotated[
+        str, typer.Option(help="module:function(row) -> the conversation to imitate")
+    ] = "hybrid_engine.rollout.agent.examples:calculator_demonstration",
+    out: Annotated[str, typer.Option(help="new directory for the model")] = "warmstart",
+    examples: Annotated[int, typer.Option(min=1, help="demonstrations (first rows)")] = 256,
+    epochs: Annotated[int, typer.Option(min=1)] = 2,
+    lr: Annotated[float, typer.Option(min=0.0)] = 5e-5,
+    batch_size: Annotated[int, typer.Option(min=1)] = 8,
+) -> None:
+    """Supervised warm-start: fine-tune the preset's model on demonstrations of its training
+    rows (the assistant's replies trained), saved as a model directory that a run starts
+    from with `model.path=OUT`. For behaviours the policy never samples, which RL cannot
+    reward (SmolLM2 calling a tool)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from hybrid_engine.config import load_config
+    from hybrid_engine.warmstart import warm_start
+
+    try:
+        cfg = load_config(config, overrides or [])
+        with Progress(
+            TextColumn("warm-start"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            console=console,
+        ) as bar:
+            task = bar.add_task("", total=None)
+
+            def shown(i: int, total: int, loss: float) -> None:
+                bar.update(task, completed=i, total=total, description=f"loss {loss:.3f}")
+
+            got = warm_start(cfg, demos, out, examples, epochs, lr, batch_size, on_step=shown)
+    except Exception as e:
+        fail(e)
+    console.print(
+        f"{got['examples']} demonstrations, {got['trained_tokens']} trained tokens, "
+        f"loss {got['losses'][0]:.3f} -> {got['losses'][-1]:.3f} in {got['seconds']:.0f} s; "
+        f"train from it with [bold]model.path={out}[/]"
+    )
