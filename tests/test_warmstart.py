@@ -68,7 +68,7 @@ def test_a_template_that_rewrites_history_and_bad_demos_are_refused_by_name(tmp_
     with pytest.raises(ValueError, match="--demos='nowhere:f' cannot be loaded"):
         demonstrations(cfg, "nowhere:f", 4)
     with pytest.raises(ValueError, match="no_prompt on training row 0: message 0: needs a role"):
-        demonstrations(cfg, "tests.test_warmstart:no_prompt", 4)
+        demonstrations(cfg, "test_warmstart:no_prompt", 4)
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError, match="taken"):
         warm_start(cfg, DEMOS, tmp_path / "taken")
