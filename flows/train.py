@@ -37,6 +37,7 @@ from hybrid_engine.config import HybridConfig
 from hybrid_engine.engine import Engine
 from hybrid_engine.pool.group import WorkerLostError
 from storage.faults import fault_point
+from storage.lease import RunLease
 from storage.store import RunStore, check_reach
 from tasks.checkpoint import checkpoint, finish, restore
 from tasks.progress import emit
@@ -89,12 +90,16 @@ def train(
     opened = open_run(config, overrides or [], run_id, resume_from, fork_from)
     cfg, store, resume = opened.cfg, opened.store, opened.resume
     name_flow_run(store.run_id)
+    lease = RunLease(store, cfg.storage.lease_timeout_s)
+    if taken := lease.acquire():  # LeaseHeld: another driver trains this run
+        logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
+    store.guard = lease.check  # a driver taken over while it stalled commits nothing more
     if resume:  # a SIGKILLed driver of this run may have left its Prefect server running
         doc = store.read_run() or {}
         clean_up_after(doc.get("driver"))
         store.write_run({**doc, "driver": driver_record()})
     recovery = Recovery(cfg, store)
-    track = None
+    track = engine = None
     try:
         with preemption():
             if opened.lineage:  # a new fork: recorded first (its stages are its parent's)
@@ -116,6 +121,7 @@ def train(
                         track.recovered(recovery.handle(e, engine), recovery.count)
                         rearm()
     except (Preempted, Exception) as error:
+        release(lease, engine)
         if (e := as_preempted(error)) is None:
             raise
         if cancelling():  # the SIGTERM was Prefect carrying out a cancellation
@@ -126,6 +132,7 @@ def train(
         )
         logger.warning(line)
         return Cancelled(name="Preempted", message=line)
+    release(lease, engine)
     pool = cfg.ray.pool_name if engine.pool is not None else None
     return result | {
         "run_id": store.run_id,
@@ -133,6 +140,13 @@ def train(
         "recoveries": recovery.count,
         "mlflow_run_id": track.run_id,
     }
+
+
+def release(lease: RunLease, engine: Engine | None) -> None:
+    """The run's lease and its claim on the pool, when the flow ends."""
+    if engine is not None and engine.pool is not None and engine.pool.claim is not None:
+        engine.pool.claim.release()
+    lease.release()
 
 
 def run_steps(engine: Engine, store: RunStore, track: StepLog) -> dict[str, Any]:
@@ -270,19 +284,31 @@ def checkpoint_due(store: RunStore, step: int, t: Any) -> bool:
 
 
 def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
-    """The engine. A pool found broken (left so by an earlier driver) is removed and created
+    """The engine. On the pool, the run first claims it (`PoolBusy` while another run
+    trains on it). A pool found broken (left so by an earlier driver) is removed and created
     anew, once; the restore that follows loads the run's last checkpoint into it."""
-    try:
-        engine = Engine(cfg, reset_pool=not resume)
-    except WorkerLostError as e:
-        get_run_logger().warning(
-            "pool %r is broken (%s): removing it and starting a new one", cfg.ray.pool_name, e
-        )
-        from hybrid_engine.pool.pool import down
+    claim = None
+    if cfg.trainer.backend == "ray":
+        from hybrid_engine.pool.claim import claim_pool
 
-        down(cfg.ray.pool_name, stop_head=False)
-        engine = Engine(cfg, reset_pool=not resume)
+        claim = claim_pool(cfg, say=get_run_logger().warning)
+    try:
+        try:
+            engine = Engine(cfg, reset_pool=not resume)
+        except WorkerLostError as e:
+            get_run_logger().warning(
+                "pool %r is broken (%s): removing it and starting a new one", cfg.ray.pool_name, e
+            )
+            from hybrid_engine.pool.pool import down
+
+            down(cfg.ray.pool_name, stop_head=False, keep_claim=True)
+            engine = Engine(cfg, reset_pool=not resume)
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
     if engine.pool is not None:
+        engine.pool.hold(claim)
         check_reach(cfg.storage, engine.pool.nodes())
     return engine
 

@@ -104,8 +104,9 @@ class Engine:
         names of the workers removed."""
         from hybrid_engine.pool.pool import Pool
 
-        removed = self.pool.teardown()
+        removed, claim = self.pool.teardown(), self.pool.claim
         self._use_pool(Pool.up(self.cfg))
+        self.pool.hold(claim)
         return removed
 
     def reset_weights(self) -> None:

@@ -118,6 +118,7 @@ def delete_run(cfg: Any, run_id: str) -> dict[str, Any]:
     resumed or forked) and which forks hold them; they go when no fork uses them any more.
     A deleted ancestor is pruned to what its remaining forks use. Returns {removed_bytes,
     kept_bytes, kept: {dir: [forks]}, also_removed: [deleted ancestors now gone]}."""
+    from storage.lease import refuse_if_trained
     from storage.store import RunStore
 
     store = RunStore(cfg, run_id)
@@ -126,6 +127,7 @@ def delete_run(cfg: Any, run_id: str) -> dict[str, Any]:
         raise FileNotFoundError(
             f"no run {run_id!r} under {cfg.root}" + (" (deleted already)" if doc else "")
         )
+    refuse_if_trained(store, cfg.lease_timeout_s, "deleting it")
     runs = runs_under(cfg)
     used = used_by_forks(store, forks_of(runs, run_id))
     out: dict[str, Any] = {

@@ -31,7 +31,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,10 @@ class RunStore:
             self.url = self.path = os.path.abspath(self.path)
         self._latest: dict[str, Any] | None = None
         self._lineage: Lineage | None | bool = False  # False: run.json not read yet
+        self.guard: Callable[[], None] | None = None  # called before each commit (the lease)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "guard": None}  # the lease stays with its driver
 
     # ------------------------------------------------------------- objects
     def uri(self, rel: str) -> str:
@@ -229,6 +233,39 @@ class RunStore:
                 raise OSError(e.errno, f"{e.strerror}: writing {self.uri(rel)}") from None
         return sha256(data)
 
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write an object only if none exists there (locally a hard link, which fails where
+        a file exists; on S3 a PUT with `If-None-Match: *`): False when one does. Of two writers racing, one gets True."""
+        path = self._p(rel)
+        with critical():
+            if self.local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+                try:  # written whole, then linked: a reader never sees half of it
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.link(tmp, path)
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp)
+                return True
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+    def list(self, rel_dir: str) -> list[str]:
+        """Names of the objects directly under `rel_dir` ([] when there are none)."""
+        try:
+            return [
+                p.rstrip("/").rsplit("/", 1)[-1]
+                for p in self.fs.ls(self._p(rel_dir), detail=False, refresh=True)
+            ]
+        except FileNotFoundError:
+            return []
+
     def get(self, rel: str) -> bytes:
         return self.fs.cat_file(self._p(rel))
 
@@ -253,6 +290,8 @@ class RunStore:
     # ------------------------------------------------------------- commits
     def commit(self, rel_dir: str, files: dict[str, str], meta: dict[str, Any]) -> str:
         """Make `rel_dir` visible: one marker object naming every file and its sha256."""
+        if self.guard is not None:
+            self.guard()
         doc = {"files": files, "committed_at": time.time(), "writer_pid": os.getpid(), **meta}
         self.put_json(f"{rel_dir}/{MARKER}", doc)
         return self.uri(rel_dir)

@@ -8,6 +8,7 @@ on the "Preempted" state runs it again with resume_from = the run id."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -191,6 +192,8 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
             timeout=600,
             check=False,
         )
+        if "Preempted" not in out and (uid := re.search(r"UUID: ([0-9a-f-]+)", out)):
+            out += prefect("flow-run", "logs", uid.group(1), check=False)  # why, if it fails
         assert "Preempted" in out, out
         states = wait_for_states(prefect_api, "preempted-1", "Completed", 600)
         assert sorted(states) == ["Completed", "Preempted"], states

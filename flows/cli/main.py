@@ -427,6 +427,10 @@ def pool_down(pool: PoolName = "default") -> None:
     if not _connect():
         console.print("no Ray cluster is running: nothing to stop")
         return
+    from hybrid_engine.pool.claim import holder_line, live_holder
+
+    if (h := live_holder(pool)) is not None:
+        _fail(RuntimeError(f"{holder_line(pool, h)}; stop that run first"))
     killed = down(pool)
     console.print(f"pool {pool!r}: stopped {len(killed)} worker(s) {killed}")
 

@@ -101,6 +101,13 @@ class StorageConfig(Section):
     retries: int = Field(
         4, ge=0, description="botocore retries of one S3 request (standard mode, with backoff)"
     )
+    lease_timeout_s: float = Field(
+        60,
+        ge=5,
+        description="one driver per run: another driver takes the run over when the "
+        "holder's heartbeat is this old (at once when the holder's process, on this host, "
+        "is gone)",
+    )
     shared_filesystem: bool = Field(
         False,
         description="a local root is on a filesystem every Ray node mounts (NFS, "
@@ -229,6 +236,16 @@ class RayConfig(Section):
         "default",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
         description="names the pool's Ray namespace; drivers with the same name share workers",
+    )
+    when_busy: Literal["refuse", "wait"] = Field(
+        "refuse",
+        description="a pool another run trains on: refuse in one line, or wait until it is free",
+    )
+    claim_timeout_s: float = Field(
+        60,
+        ge=5,
+        description="a run's claim on the pool lapses when not renewed this long (at once "
+        "when its driver, on this host, is gone)",
     )
     address: str | None = Field(
         None, description="Ray cluster address; None = $RAY_ADDRESS, else a local head"

@@ -62,6 +62,7 @@ class WorkerGroup:
         self.pool_name = cfg.ray.pool_name
         self.pids = [0] * len(handles)  # filled in once the workers answer
         self.limit = StageLimit(cfg.ray.call_timeout_s, "ray.call_timeout_s")
+        self.claim: Any = None  # the driver's PoolClaim, when it holds one
 
     @functools.cached_property
     def pad_token_id(self) -> int:
@@ -81,6 +82,8 @@ class WorkerGroup:
             timeout_s, why = self.limit.seconds, self.limit.why
         else:
             why = "the start-up limit"
+        if self.claim is not None:
+            self.claim.check()
         deadline = time.monotonic() + timeout_s
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)

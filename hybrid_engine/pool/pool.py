@@ -30,6 +30,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.pool import placement
+from hybrid_engine.pool.claim import NAME as CLAIM
+from hybrid_engine.pool.claim import PoolClaim
 from hybrid_engine.pool.cluster import (  # noqa: F401 - part of this module's interface
     PoolError,
     _free_port,
@@ -53,6 +55,7 @@ class Pool:
         self.cfg, self.groups, self.name = cfg, groups, cfg.ray.pool_name
         self.attach_seconds = 0.0
         self.created = False
+        self.claim: PoolClaim | None = None
         self.limit = StageLimit(cfg.ray.call_timeout_s, "ray.call_timeout_s")
         for g in groups.values():
             g.limit = self.limit
@@ -89,11 +92,7 @@ class Pool:
         """The running pool, or None if it has no workers; a partial or mismatched pool raises."""
         ns, name = cls.namespace(cfg.ray.pool_name), cfg.ray.pool_name
         plan = group_plan(cfg)
-        found = {
-            w["name"]
-            for w in ray.util.list_named_actors(all_namespaces=True)
-            if w["namespace"] == ns
-        }
+        found = set(find_workers(name))
         if not found:
             return None
         wanted = {f"{g}-{r}" for g, (ranks, _) in plan.items() for r in range(ranks)}
@@ -209,7 +208,13 @@ class Pool:
             g.wait([h.build.remote() for h in g.handles], "reset", self.cfg.ray.start_timeout_s)
 
     def down(self, stop_head: bool = True) -> None:
-        down(self.name, stop_head)
+        down(self.name, stop_head, keep_claim=True)
+
+    def hold(self, claim: PoolClaim | None) -> None:
+        """The claim the driver holds: every call checks it was not taken (`PoolTaken`)."""
+        self.claim = claim
+        for g in self.groups.values():
+            g.claim = claim
 
     def teardown(self) -> list[str]:
         """Remove a broken pool so the same spec can be created again: its worker processes
@@ -221,7 +226,7 @@ class Pool:
                     proc = psutil.Process(pid)
                     if proc.name().startswith("ray::") or "ray" in " ".join(proc.cmdline()[:2]):
                         proc.kill()
-        return down(self.name, stop_head=False)
+        return down(self.name, stop_head=False, keep_claim=True)
 
 
 def pool_status(pool_name: str) -> list[dict]:
@@ -239,15 +244,18 @@ def pool_status(pool_name: str) -> list[dict]:
 def find_workers(pool_name: str) -> list[str]:
     ns = Pool.namespace(pool_name)
     return sorted(
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ns
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == ns and a["name"] != CLAIM
     )
 
 
-def down(pool_name: str, stop_head: bool = True) -> list[str]:
-    """Kill the pool's workers; stop the local head too if no other pool is left on it."""
+def down(pool_name: str, stop_head: bool = True, keep_claim: bool = False) -> list[str]:
+    """Kill the pool's workers (and its claim, unless `keep_claim`: a run re-creating its
+    pool); stop the local head too if no other pool is left on it."""
     ns = Pool.namespace(pool_name)
     killed = find_workers(pool_name)
-    for n in killed:
+    for n in killed + ([] if keep_claim else [CLAIM]):
         with contextlib.suppress(ValueError):  # already gone
             ray.kill(ray.get_actor(n, namespace=ns), no_restart=True)
     deadline = time.monotonic() + 30

@@ -1,0 +1,186 @@
+"""One run per pool: the pool's claim, a detached actor named `claim` in the pool's namespace.
+
+The train flow's driver claims the pool before it attaches to, resets or creates its
+workers, and releases it when the flow ends (an `Engine` built directly claims nothing). The actor
+runs one call at a time, so a claim is a compare-and-set: of two drivers, one holds the pool.
+The holder renews every `ray.claim_timeout_s / 4` from a thread. Another driver (another
+process) is refused in one line naming the run that holds the pool, or waits for it with
+`ray.when_busy: wait`, unless the holder is gone: its process dead on this host (at once), or
+no renewal for `ray.claim_timeout_s`. A holder that finds the pool claimed by someone else
+(it stalled past the timeout) stops with `PoolTaken` at its next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import psutil
+import ray
+
+log = logging.getLogger("hybridrl.pool")
+NAME = "claim"
+
+
+class PoolBusy(RuntimeError):
+    """Another run holds the pool."""
+
+
+class PoolTaken(RuntimeError):
+    """This driver's pool was claimed by another run while it stalled."""
+
+
+@ray.remote(num_cpus=0)
+class Claim:
+    """Who holds the pool: {owner, run, host, pid, started, since, renewed} or None."""
+
+    def __init__(self) -> None:
+        self.holder: dict[str, Any] | None = None
+
+    def take(self, who: dict[str, Any], unless: str | None) -> dict[str, Any] | None:
+        """Hold the pool for `who` unless another owner holds it (and is not `unless`, a
+        holder the caller found gone); returns that holder, else None."""
+        h, now = self.holder, time.time()
+        if h is not None and h["owner"] not in (who["owner"], unless):
+            return h
+        since = h["since"] if h is not None and h["owner"] == who["owner"] else now
+        self.holder = {**who, "since": since, "renewed": now}
+        return None
+
+    def renew(self, owner: str) -> dict[str, Any] | None:
+        """Renew; the holder when it is not `owner` any more."""
+        if self.holder is None or self.holder["owner"] != owner:
+            return self.holder
+        self.holder["renewed"] = time.time()
+        return None
+
+    def release(self, owner: str) -> None:
+        if self.holder is not None and self.holder["owner"] == owner:
+            self.holder = None
+
+    def read(self) -> dict[str, Any] | None:
+        return self.holder
+
+
+def _alive(pid: int, started: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def gone(h: dict[str, Any]) -> str | None:
+    """Why holder `h` no longer holds the pool, or None while it does."""
+    if h["host"] == socket.gethostname() and not _alive(h["pid"], h["started"]):
+        return f"its process (pid {h['pid']}) is gone"
+    age, limit = time.time() - h["renewed"], h["timeout_s"]
+    if age > limit:
+        return f"not renewed for {age:.0f} s (its ray.claim_timeout_s={limit:g})"
+    return None
+
+
+def live_holder(pool: str) -> dict[str, Any] | None:
+    """The run holding pool `pool` now, if any (Ray connected)."""
+    try:
+        actor = ray.get_actor(NAME, namespace=f"hybridrl-{pool}")
+        h = ray.get(actor.read.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayActorError):
+        return None
+    return h if h is not None and gone(h) is None else None
+
+
+def holder_line(pool: str, h: dict[str, Any]) -> str:
+    since = datetime.fromtimestamp(h["since"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"pool {pool!r} is used by run {h['run']} (pid {h['pid']} on {h['host']}, since {since})"
+
+
+class PoolClaim:
+    """This process's claim on pool `pool` (namespace `namespace`)."""
+
+    def __init__(self, pool: str, namespace: str, run: str | None, timeout_s: float) -> None:
+        me = psutil.Process()
+        self.pool, self.timeout_s = pool, timeout_s
+        self.who = {
+            "owner": f"{socket.gethostname()}:{me.pid}:{me.create_time():.3f}",
+            "run": run or "(no run id)",
+            "host": socket.gethostname(),
+            "pid": me.pid,
+            "started": me.create_time(),
+            "timeout_s": timeout_s,
+        }
+        self.actor = Claim.options(
+            name=NAME, namespace=namespace, lifetime="detached", get_if_exists=True
+        ).remote()
+        self.taken_by: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def take(self, wait: bool, say: Any = log.warning) -> None:
+        """Hold the pool; PoolBusy (or, with `wait`, wait and say so every minute)."""
+        said = 0.0
+        while True:
+            h = ray.get(self.actor.take.remote(self.who, None), timeout=30)
+            if h is not None and (why := gone(h)) is not None:
+                h = ray.get(self.actor.take.remote(self.who, h["owner"]), timeout=30)
+                if h is None:
+                    log.warning("pool %r: taken over from its last holder: %s", self.pool, why)
+            if h is None:
+                break
+            line = holder_line(self.pool, h)
+            if not wait:
+                raise PoolBusy(
+                    f"{line}; a second run would disturb it: use another ray.pool_name, or "
+                    "ray.when_busy=wait to wait for it"
+                )
+            if time.monotonic() - said > 60:
+                say(f"{line}: waiting for it (ray.when_busy=wait)")
+                said = time.monotonic()
+            time.sleep(2)
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._renew, name="pool-claim", daemon=True)
+            self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.timeout_s / 4):
+            try:
+                h = ray.get(self.actor.renew.remote(self.who["owner"]), timeout=30)
+            except Exception as e:  # noqa: BLE001 - the head is unreachable: next period
+                log.warning("pool %r: renewing the claim failed: %s", self.pool, e)
+                continue
+            if h is not None:
+                self.taken_by = h
+                return
+
+    def check(self) -> None:
+        """PoolTaken when another run claimed the pool from under this one."""
+        if self.taken_by is not None:
+            raise PoolTaken(
+                f"{holder_line(self.pool, self.taken_by)} now: it claimed the pool while this "
+                "driver stalled; this run stops here (resume it on another ray.pool_name)"
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        if self.taken_by is None:
+            try:
+                ray.get(self.actor.release.remote(self.who["owner"]), timeout=30)
+            except Exception as e:  # noqa: BLE001 - a head already gone releases everything
+                log.debug("pool %r: release: %s", self.pool, e)
+
+
+def claim_pool(cfg: Any, say: Any = log.warning) -> PoolClaim:
+    """Connect to Ray and hold `ray.pool_name` for run `trainer.run_id` (`ray.when_busy`:
+    refuse with PoolBusy, or wait)."""
+    from hybrid_engine.pool.cluster import connect
+
+    connect(cfg)
+    r = cfg.ray
+    claim = PoolClaim(r.pool_name, f"hybridrl-{r.pool_name}", cfg.trainer.run_id, r.claim_timeout_s)
+    claim.take(wait=r.when_busy == "wait", say=say)
+    return claim

@@ -1,0 +1,204 @@
+"""One writer per run: a lease in the run's storage, held by the driver that trains it.
+
+    <run>/lease/<generation>.json    owner, host, pid, process start, since, heartbeat
+
+The holder is the highest generation. A driver takes generation g + 1 with a conditional
+create (`RunStore.create`: a local hard link; on S3 a PUT with `If-None-Match: *`), so of
+two drivers racing for a run exactly one wins. The holder rewrites its heartbeat every
+`storage.lease_timeout_s / 4`. Another driver of the run refuses (`LeaseHeld`, one line
+naming the holder and since when) unless the holder is gone:
+
+- on the holder's own host, at once when its process no longer lives (a SIGKILL, an
+  OOM kill: the pid and its start time are checked, a reused pid is not mistaken for it);
+- from another host, when its heartbeat is older than `storage.lease_timeout_s`.
+
+A holder that finds a newer generation than its own (it stalled past the timeout and was
+taken over) stops renewing and reports `lost`; the flow ends before its next commit. The
+lease is removed when the flow ends. Heartbeats compare wall clocks of different hosts:
+they must agree to well within the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import psutil
+
+from storage.store import RunStore
+
+log = logging.getLogger("hybridrl.storage")
+DIR = "lease"
+
+
+class LeaseHeld(RuntimeError):
+    """Another driver holds the run."""
+
+
+def _alive(pid: int, started: float) -> bool:
+    """Whether process `pid`, started at `started`, still runs on this host (a zombie does
+    not; a pid reused by another process is not it)."""
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def held_line(run_id: str, doc: dict[str, Any]) -> str:
+    return (
+        f"run {run_id} is being trained by pid {doc['pid']} on {doc['host']} since "
+        f"{_when(doc['since'])} (heartbeat {time.time() - doc['heartbeat']:.0f} s ago)"
+    )
+
+
+def refuse_if_trained(store: RunStore, timeout_s: float, doing: str) -> None:
+    """Raise LeaseHeld when a live driver holds the run (`doing`: what is refused)."""
+    lease = RunLease(store, timeout_s)
+    _, doc = lease.holder()
+    if doc is not None and lease.gone(doc) is None:
+        raise LeaseHeld(f"{held_line(store.run_id, doc)}; stop it before {doing}")
+
+
+class RunLease:
+    """The lease of `store`'s run for this process: `acquire()`, then `release()`; a
+    context manager does both."""
+
+    def __init__(self, store: RunStore, timeout_s: float) -> None:
+        self.store, self.timeout_s = store, timeout_s
+        me = psutil.Process()
+        self.doc = {
+            "owner": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": me.pid,
+            "started": me.create_time(),
+        }
+        self.generation: int | None = None
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- reading
+    def generations(self) -> list[int]:
+        names = self.store.list(DIR)
+        return sorted(
+            int(n.removesuffix(".json")) for n in names if n.removesuffix(".json").isdigit()
+        )
+
+    def holder(self) -> tuple[int, dict[str, Any] | None]:
+        """(highest generation or 0, its document or None)."""
+        gens = self.generations()
+        if not gens:
+            return 0, None
+        return gens[-1], self.store.get_json(f"{DIR}/{gens[-1]}.json")
+
+    def gone(self, doc: dict[str, Any]) -> str | None:
+        """Why the holder of `doc` no longer holds the run, or None while it does."""
+        if doc.get("released"):
+            return "released"
+        if doc["host"] == socket.gethostname() and not _alive(doc["pid"], doc["started"]):
+            return f"its process (pid {doc['pid']}) is gone"
+        age = time.time() - doc["heartbeat"]
+        if age > self.timeout_s:
+            return f"no heartbeat for {age:.0f} s (storage.lease_timeout_s={self.timeout_s:g})"
+        return None
+
+    # ---------------------------------------------------------------- holding
+    def acquire(self) -> str | None:
+        """Take the run's lease, or raise LeaseHeld. Returns how an earlier holder's lease
+        was taken over (None when there was none)."""
+        for _ in range(5):  # a lost race re-reads the new holder
+            gen, doc = self.holder()
+            why = None
+            if doc is not None:
+                why = self.gone(doc)
+                if why is None:
+                    raise LeaseHeld(
+                        f"{held_line(self.store.run_id, doc)}; a second driver would write "
+                        "beside it: wait for it to end, or stop it first"
+                    )
+            now = time.time()
+            mine = {**self.doc, "since": now, "heartbeat": now}
+            if self.store.create(f"{DIR}/{gen + 1}.json", json.dumps(mine).encode()):
+                self.generation, self.doc = gen + 1, mine
+                self._start()
+                for old in self.generations():  # keep the one before ours, for the record
+                    if old < gen:
+                        self.store.remove(f"{DIR}/{old}.json")
+                if doc is not None and why != "released":
+                    log.warning(
+                        "run %s: took over the lease of pid %s on %s: %s",
+                        self.store.run_id,
+                        doc["pid"],
+                        doc["host"],
+                        why,
+                    )
+                return None if doc is None or why == "released" else why
+        raise LeaseHeld(f"run {self.store.run_id}: lost the race for its lease five times")
+
+    def _start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        period = self.timeout_s / 4
+        while not self._stop.wait(period):
+            try:
+                if self.generations()[-1:] != [self.generation]:
+                    gen, doc = self.holder()
+                    log.error(
+                        "run %s: the lease was taken over by pid %s on %s (generation %d)",
+                        self.store.run_id,
+                        (doc or {}).get("pid"),
+                        (doc or {}).get("host"),
+                        gen,
+                    )
+                    self.lost.set()
+                    return
+                self.doc["heartbeat"] = time.time()
+                self._write()
+            except Exception as e:  # noqa: BLE001 - storage down: try again next period
+                log.warning("run %s: lease heartbeat failed: %s", self.store.run_id, e)
+
+    def _write(self) -> None:
+        self.store.put(f"{DIR}/{self.generation}.json", json.dumps(self.doc).encode(), atomic=True)
+
+    def check(self) -> None:
+        """Raise LeaseHeld when another driver took the run over."""
+        if self.lost.is_set():
+            raise LeaseHeld(
+                f"run {self.store.run_id}: another driver took this run over while this one "
+                "stalled; this driver stops without writing more"
+            )
+
+    def release(self) -> None:
+        """Stop renewing; mark the lease released (when still ours)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.generation is None or self.lost.is_set():
+            return
+        with contextlib.suppress(Exception):
+            if self.generations()[-1:] == [self.generation]:
+                self.doc["released"] = time.time()
+                self._write()
+        self.generation = None
+
+    def __enter__(self) -> RunLease:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
