@@ -95,3 +95,20 @@ def reference_run(tmp_path_factory, prefect_api):
 def reference(reference_run):
     """The reference run's final weights and per-step metrics."""
     return reference_run[1]
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """Run `r1`'s store on a local directory, and on the S3 server (a bucket of its own)."""
+    import time
+
+    from hybrid_engine.config import StorageConfig
+    from storage.store import RunStore
+
+    if request.param == "local":
+        return RunStore(StorageConfig(root=str(tmp_path / "runs")), "r1")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = f"store-{int(time.time() * 1e6)}"
+    s = RunStore(StorageConfig(root=f"s3://{bucket}/runs", endpoint_url=endpoint), "r1")
+    s.fs.mkdir(bucket)
+    return s

@@ -22,17 +22,6 @@ from storage.lease import DIR, LeaseHeld, RunLease
 from storage.store import RunStore
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return RunStore(StorageConfig(root=str(tmp_path / "runs")), "r1")
-    endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"lease-{int(time.time() * 1e6)}"
-    s = RunStore(StorageConfig(root=f"s3://{bucket}/runs", endpoint_url=endpoint), "r1")
-    s.fs.mkdir(bucket)
-    return s
-
-
 @pytest.mark.fast
 def test_of_writers_racing_to_create_an_object_exactly_one_wins(store):
     won = []

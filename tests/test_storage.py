@@ -4,14 +4,13 @@ checkpoints are pruned oldest first, credentials stay out of the config."""
 
 import json
 import logging
-import time
 
 import pytest
 import torch
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import ConfigError, StorageConfig, load_config
-from storage.store import RunStore, storage_options, validate_run_id
+from storage.store import storage_options, validate_run_id
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 
@@ -22,18 +21,6 @@ def a_batch() -> Batch:
         {"uid": ["a", "b"]},
         {"metrics": {"m": 1.5}},
     )
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return RunStore(StorageConfig(root=str(tmp_path / "runs")), "r1")
-    endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"store-{int(time.time() * 1e6)}"
-    cfg = StorageConfig(root=f"s3://{bucket}/runs", endpoint_url=endpoint)
-    s = RunStore(cfg, "r1")
-    s.fs.mkdir(bucket)
-    return s
 
 
 def test_commit_round_trip_and_latest(store):
