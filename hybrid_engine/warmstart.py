@@ -103,9 +103,9 @@ def warm_start(
     cfg: HybridConfig,
     demos: str,
     out: str | Path,
-    examples: int = 256,
-    epochs: int = 2,
-    lr: float = 5e-5,
+    examples: int = 64,
+    epochs: int = 1,
+    lr: float = 1e-5,
     batch_size: int = 8,
     on_step: Callable[[int, int, float], None] | None = None,
 ) -> dict[str, Any]:

@@ -86,9 +86,9 @@ def warmstart(
         str, typer.Option(help="module:function(row) -> the conversation to imitate")
     ] = "hybrid_engine.rollout.agent.examples:calculator_demonstration",
     out: Annotated[str, typer.Option(help="new directory for the model")] = "warmstart",
-    examples: Annotated[int, typer.Option(min=1, help="demonstrations (first rows)")] = 256,
-    epochs: Annotated[int, typer.Option(min=1)] = 2,
-    lr: Annotated[float, typer.Option(min=0.0)] = 5e-5,
+    examples: Annotated[int, typer.Option(min=1, help="demonstrations (first rows)")] = 64,
+    epochs: Annotated[int, typer.Option(min=1)] = 1,
+    lr: Annotated[float, typer.Option(min=0.0)] = 1e-5,
     batch_size: Annotated[int, typer.Option(min=1)] = 8,
 ) -> None:
     """Supervised warm-start: fine-tune the preset's model on demonstrations of its training
