@@ -65,7 +65,11 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(store):
     store.create(f"{DIR}/1.json", json.dumps({**doc, "since": now, "heartbeat": now}).encode())
     with pytest.raises(LeaseHeld):
         RunLease(store, timeout_s=60).acquire()
-    proc.kill()  # not reaped yet: a zombie is gone too
+    proc.kill()  # not reaped: once the kill has landed, a zombie is gone too
+    deadline = time.monotonic() + 30
+    while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the killed process did not end"
+        time.sleep(0.01)
     lease = RunLease(store, timeout_s=60)
     assert lease.acquire() == f"its process (pid {proc.pid}) is gone"
     lease.release()
