@@ -32,6 +32,7 @@ from typing import Any
 
 import psutil
 
+from hybrid_engine.processes import alive
 from storage.store import RunStore
 
 log = logging.getLogger("hybridrl.storage")
@@ -40,16 +41,6 @@ DIR = "lease"
 
 class LeaseHeld(RuntimeError):
     """Another driver holds the run."""
-
-
-def _alive(pid: int, started: float) -> bool:
-    """Whether process `pid`, started at `started`, still runs on this host (a zombie does
-    not; a pid reused by another process is not it)."""
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _when(t: float) -> str:
@@ -107,7 +98,7 @@ class RunLease:
         """Why the holder of `doc` no longer holds the run, or None while it does."""
         if doc.get("released"):
             return "released"
-        if doc["host"] == socket.gethostname() and not _alive(doc["pid"], doc["started"]):
+        if doc["host"] == socket.gethostname() and not alive(doc["pid"], doc["started"]):
             return f"its process (pid {doc['pid']}) is gone"
         age = time.time() - doc["heartbeat"]
         if age > self.timeout_s:

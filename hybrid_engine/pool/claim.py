@@ -22,6 +22,8 @@ from typing import Any
 import psutil
 import ray
 
+from hybrid_engine.processes import alive
+
 log = logging.getLogger("hybridrl.pool")
 NAME = "claim"
 
@@ -66,17 +68,9 @@ class Claim:
         return self.holder
 
 
-def _alive(pid: int, started: float) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 def gone(h: dict[str, Any]) -> str | None:
     """Why holder `h` no longer holds the pool, or None while it does."""
-    if h["host"] == socket.gethostname() and not _alive(h["pid"], h["started"]):
+    if h["host"] == socket.gethostname() and not alive(h["pid"], h["started"]):
         return f"its process (pid {h['pid']}) is gone"
     age, limit = time.time() - h["renewed"], h["timeout_s"]
     if age > limit:
