@@ -128,6 +128,14 @@ def test_second_driver_reattaches_to_the_same_workers_and_weights():
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["created"] is False and seen["version"] == 1 and seen["pid"] == pid
     assert seen["attach_s"] < 5  # measured ~0.3 s; the bound only catches a silent re-create
+    from hybrid_engine.pool.claim import PoolTaken
+
+    # that driver configured the workers: this one's next call is refused in one line
+    taken = r"pool 'attach': worker actor-0 was configured by run .* \(pid \d+ on .*\) while run"
+    with pytest.raises(PoolTaken, match=taken):
+        _ = engine.actor.weights_version
+    with pytest.raises(PoolTaken, match=taken):
+        engine.step(2)
 
     status = subprocess.run(
         [sys.executable, "-m", "flows.cli", "pool", "status", "--pool", "attach"],
@@ -147,7 +155,34 @@ def test_second_driver_reattaches_to_the_same_workers_and_weights():
     # a new run on the warm pool starts from fresh weights
     fresh = Engine(cfg("attach"))
     assert fresh.actor.weights_version == 0 and fresh.pool.status()[0]["pid"] == pid
+    # an older client configures the workers without a driver id: refused, not a KeyError
+    import ray
+
+    handle = fresh.pool.groups["actor"].handles[0]
+    ray.get(handle.configure.remote(cfg("attach")), timeout=60)
+    with pytest.raises(PoolTaken, match="by a driver that does not claim pools"):
+        _ = fresh.actor.weights_version
+    with pytest.raises(PoolTaken, match="by a driver that does not claim pools"):
+        fresh.actor.invalidate()
+    assert fresh.pool.status()[0]["healthy"]
     fresh.pool.down(stop_head=False)
+
+
+def test_a_driver_that_imported_ray_first_is_told_so():
+    # ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, on import: such a driver looked for
+    # the local head on the host address and waited there for minutes
+    script = (
+        "import ray, sys; sys.path.insert(0, 'tests')\n"
+        "from test_pool import cfg\n"
+        "from hybrid_engine.pool.cluster import connect\n"
+        "connect(cfg('early'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode != 0
+    assert "ray was imported before hybrid_engine" in out.stderr.splitlines()[-1]
 
 
 def test_state_round_trip_resumes_exactly_and_across_layouts(tmp_path):

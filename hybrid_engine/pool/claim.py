@@ -8,6 +8,9 @@ process) is refused in one line naming the run that holds the pool, or waits for
 `ray.when_busy: wait`, unless the holder is gone: its process dead on this host (at once), or
 no renewal for `ray.claim_timeout_s`. A holder that finds the pool claimed by someone else
 (it stalled past the timeout) stops with `PoolTaken` at its next call.
+
+The workers also remember the driver that configured them last (`driver_id`): a call from
+another driver, e.g. one that ignores claims, is refused in the worker with `PoolTaken`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,24 @@ class Claim:
         return self.holder
 
 
+def driver_id(run: str | None) -> dict[str, Any]:
+    """This process as a driver: {owner, run, host, pid, started}; `owner` is unique."""
+    me = psutil.Process()
+    return {
+        "owner": f"{socket.gethostname()}:{me.pid}:{me.create_time():.3f}",
+        "run": run or "(no run id)",
+        "host": socket.gethostname(),
+        "pid": me.pid,
+        "started": me.create_time(),
+    }
+
+
+def driver_line(d: dict[str, Any] | None) -> str:
+    if d is None:
+        return "a driver that does not claim pools (an older hybridrl, or an Engine built directly)"
+    return f"run {d['run']} (pid {d['pid']} on {d['host']})"
+
+
 def gone(h: dict[str, Any]) -> str | None:
     """Why holder `h` no longer holds the pool, or None while it does."""
     if h["host"] == socket.gethostname() and not alive(h["pid"], h["started"]):
@@ -97,16 +118,8 @@ class PoolClaim:
     """This process's claim on pool `pool` (namespace `namespace`)."""
 
     def __init__(self, pool: str, namespace: str, run: str | None, timeout_s: float) -> None:
-        me = psutil.Process()
         self.pool, self.timeout_s = pool, timeout_s
-        self.who = {
-            "owner": f"{socket.gethostname()}:{me.pid}:{me.create_time():.3f}",
-            "run": run or "(no run id)",
-            "host": socket.gethostname(),
-            "pid": me.pid,
-            "started": me.create_time(),
-            "timeout_s": timeout_s,
-        }
+        self.who = {**driver_id(run), "timeout_s": timeout_s}
         self.actor = Claim.options(
             name=NAME, namespace=namespace, lifetime="detached", get_if_exists=True
         ).remote()

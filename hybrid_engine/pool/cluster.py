@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -20,11 +21,14 @@ from pathlib import Path
 
 import psutil
 import ray
+from ray._private import ray_constants
 from ray._private.services import node_ip_address_from_perspective
 
 from hybrid_engine import RAY_ENV
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.models.loading import cache_dir
+
+log = logging.getLogger("hybridrl.pool")
 
 
 class PoolError(RuntimeError):
@@ -88,6 +92,11 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
     address = f"127.0.0.1:{port}"
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"address": address, "temp_dir": temp_dir}))
+    log.info(
+        "started a local Ray head on %s without token auth (RAY_AUTH_MODE=disabled): it "
+        "listens on loopback only; a cluster's head runs with RAY_AUTH_MODE=token",
+        address,
+    )
     return address
 
 
@@ -227,6 +236,13 @@ def connect(cfg: HybridConfig, start: bool = True) -> str | None:
         # at (what Ray itself picks on Linux, but RAY_ENV's switch, which keeps a local head
         # on loopback, would make it 127.0.0.1 and the driver would find no raylet).
         local = address.startswith("127.0.0.1:")
+        if local and ray_constants.ENABLE_RAY_CLUSTER:
+            # read once when ray is imported: a driver that imported ray before hybrid_engine
+            # would look for the head on the host address and wait there for minutes
+            raise PoolError(
+                "ray was imported before hybrid_engine without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0:"
+                " import hybrid_engine first, or set that variable, to reach the local head"
+            )
         ray.init(
             address=address,
             namespace="hybridrl",

@@ -14,6 +14,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.models.loading import load_tokenizer
+from hybrid_engine.pool.claim import PoolTaken, driver_id, driver_line
 from hybrid_engine.pool.cluster import PoolError
 from hybrid_engine.pool.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 
@@ -63,6 +64,7 @@ class WorkerGroup:
         self.pids = [0] * len(handles)  # filled in once the workers answer
         self.limit = StageLimit(cfg.ray.call_timeout_s, "ray.call_timeout_s")
         self.claim: Any = None  # the driver's PoolClaim, when it holds one
+        self.driver = driver_id(cfg.trainer.run_id)  # sent with each call: `Worker.call`
 
     @functools.cached_property
     def pad_token_id(self) -> int:
@@ -145,20 +147,36 @@ class WorkerGroup:
             return False
 
     def call_all(self, role: str, method: str, *args: Any) -> list[Any]:
-        refs = [h.call.remote(role, method, *args) for h in self.handles]
+        refs = [h.call.remote(role, method, *args, driver=self.driver) for h in self.handles]
         return self.wait(refs, f"{role}.{method}")
 
     def call_split(self, role: str, method: str, batch: Batch, *args: Any) -> Batch:
         parts, pad = split_rows(batch, self.ranks)
         refs = [
-            h.call.remote(role, method, p, *args) for h, p in zip(self.handles, parts, strict=True)
+            h.call.remote(role, method, p, *args, driver=self.driver)
+            for h, p in zip(self.handles, parts, strict=True)
         ]
         return gather_rows(self.wait(refs, f"{role}.{method}"), pad, self.pad_token_id)
 
     def call_update(self, role: str, method: str, batch: Batch, mini_batch_size: int) -> dict:
         parts = split_for_update(batch, self.ranks, mini_batch_size)
-        refs = [h.call.remote(role, method, p) for h, p in zip(self.handles, parts, strict=True)]
+        refs = [
+            h.call.remote(role, method, p, driver=self.driver)
+            for h, p in zip(self.handles, parts, strict=True)
+        ]
         return mean_metrics(self.wait(refs, f"{role}.{method}"))
+
+    def role_info(self, role: str, what: str) -> dict:
+        """Rank 0's report on `role`; PoolTaken when another driver configured it since."""
+        info = self.wait([self.handles[0].info.remote()], what)[0]
+        if (info.get("driver") or {}).get("owner") != self.driver["owner"]:
+            raise PoolTaken(
+                f"pool {self.pool_name!r}: worker {self.name}-0 was configured by "
+                f"{driver_line(info.get('driver'))} while run {self.driver['run']} used it; "
+                "that run stops here (resume it when the pool is free, or on another "
+                "ray.pool_name)"
+            )
+        return info[role]
 
     def info(self, timeout_s: float = 10.0) -> list[dict]:
         """Each rank's report; a dead or unresponsive one is reported, not raised."""

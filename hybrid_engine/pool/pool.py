@@ -144,7 +144,7 @@ class Pool:
                     dead[0],
                     "died",
                 )
-            g.wait([h.configure.remote(cfg) for h in g.handles], "configure")
+            g.wait([h.configure.remote(cfg, g.driver) for h in g.handles], "configure")
         return pool
 
     @classmethod
@@ -182,7 +182,7 @@ class Pool:
         try:
             for g in groups.values():
                 init = g.wait([g.handles[0].address.remote()], "start", r.start_timeout_s)[0]
-                refs = [h.setup.remote(init, threads) for h in g.handles]
+                refs = [h.setup.remote(init, threads, g.driver) for h in g.handles]
                 g.pids = [i["pid"] for i in g.wait(refs, "setup", r.start_timeout_s)]
         except BaseException:
             pool.down(stop_head=False)
@@ -205,7 +205,8 @@ class Pool:
     def reset(self) -> None:
         """Fresh weights and optimizers in every worker (a new run on a warm pool)."""
         for g in self.groups.values():
-            g.wait([h.build.remote() for h in g.handles], "reset", self.cfg.ray.start_timeout_s)
+            refs = [h.build.remote(g.driver) for h in g.handles]
+            g.wait(refs, "reset", self.cfg.ray.start_timeout_s)
 
     def down(self, stop_head: bool = True) -> None:
         down(self.name, stop_head, keep_claim=True)

@@ -49,12 +49,15 @@ class RoleProxy:
 
     def publish_weights(self) -> list:
         """The full weights in Ray's object store: `[ref]` (hybrid_engine.pool.replica)."""
-        refs = [h.publish.remote(self.role) for h in self.group.handles]
+        refs = [h.publish.remote(self.role, driver=self.group.driver) for h in self.group.handles]
         return self.group.wait(refs, f"{self.role}.publish")[0]
 
     def receive_weights(self, holder: list, version: int) -> float:
         """Every replica loads the published weights; the slowest one's seconds."""
-        refs = [h.receive.remote(self.role, holder, version) for h in self.group.handles]
+        refs = [
+            h.receive.remote(self.role, holder, version, driver=self.group.driver)
+            for h in self.group.handles
+        ]
         return max(self.group.wait(refs, f"{self.role}.receive"))
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -95,14 +98,12 @@ class RoleProxy:
     @property
     def weights_version(self) -> int:
         """Rank 0's version (the ranks step together)."""
-        ref = self.group.handles[0].info.remote()
-        return self.group.wait([ref], "weights_version")[0]["weights_version"]
+        return self.group.role_info(self.role, "weights_version")["weights_version"]
 
     @property
     def weights_run(self) -> str | None:
         """The run whose updates made the weights rank 0 holds (None = fresh)."""
-        ref = self.group.handles[0].info.remote()
-        return self.group.wait([ref], "weights_run")[0][self.role]["weights_run"]
+        return self.group.role_info(self.role, "weights_run")["weights_run"]
 
 
 INPUT_KEYS = ("input_ids", "attention_mask", "response_mask")

@@ -13,6 +13,7 @@ import torch
 
 from hybrid_engine.config import HybridConfig, import_plugins
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
+from hybrid_engine.pool.claim import PoolTaken, driver_line
 from hybrid_engine.pool.cluster import PoolError, _free_port
 from hybrid_engine.pool.placement import RESOURCES_KEY
 from hybrid_engine.pool.replica import RolloutReplica
@@ -78,13 +79,14 @@ class Worker:
         self.spec = pool_spec(cfg)
         self.roles: dict[str, Any] = {}
         self.error: str | None = None
+        self.driver: dict[str, Any] | None = None  # who set it up or configured it last
 
     def address(self) -> str:
         """Rank 0 hosts the group's rendezvous, on its node's address (not the driver's)."""
         ip = ray.util.get_node_ip_address()
         return f"tcp://{ip}:{_free_port(ip)}"
 
-    def setup(self, init_method: str, threads: int) -> dict:
+    def setup(self, init_method: str, threads: int, driver: dict | None = None) -> dict:
         from hybrid_engine.models.sharding import init_group
 
         torch.set_num_threads(threads)
@@ -94,11 +96,12 @@ class Worker:
             torch.cuda.set_device(0)
             backend = "nccl"
         init_group(self.rank, self.world, init_method, self.cfg.ray.call_timeout_s, backend)
-        self.build()
+        self.build(driver)
         return self.info()
 
-    def build(self) -> None:
+    def build(self, driver: dict | None = None) -> None:
         """(Re)create the roles from the config: fresh weights, optimizer and version 0."""
+        self.driver = driver
         tokenizer = load_tokenizer(self.cfg.model)
         make = {
             "actor": ActorRolloutRef,
@@ -110,34 +113,53 @@ class Worker:
         self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
         self.error = None
 
-    def configure(self, cfg: HybridConfig) -> None:
+    def configure(self, cfg: HybridConfig, driver: dict | None = None) -> None:
         """Take a run's settings that do not change what the workers hold (batch sizes,
         clip ratios, sampling, ...); `pool_spec` guards the rest."""
         if pool_spec(cfg) != self.spec:
             raise PoolError("configure: the pool spec differs")
+        self.driver = driver
         import_plugins(cfg.algorithm.plugins)
         self.cfg = cfg
         for role in self.roles.values():
             role.configure(cfg)
 
-    def call(self, role: str, method: str, *args: Any) -> Any:
-        """A stage operation of one role. A failure marks the worker unhealthy: under FSDP
-        its peers may be left mid-collective, so the group must be rebuilt."""
+    def check_driver(self, driver: dict | None) -> None:
+        """PoolTaken when another driver configured this worker after `driver` did (a
+        caller without an id, an older client, is not checked)."""
+        if driver is None or (self.driver or {}).get("owner") == driver["owner"]:
+            return
+        raise PoolTaken(
+            f"pool {self.cfg.ray.pool_name!r}: worker {self.group}-{self.rank} was configured "
+            f"by {driver_line(self.driver)} while run {driver['run']} used it; that run "
+            "stops here (resume it when the pool is free, or on another ray.pool_name)"
+        )
+
+    def call(self, role: str, method: str, *args: Any, driver: dict | None = None) -> Any:
+        """A stage operation of one role, for `driver` (see `check_driver`). A failure marks
+        the worker unhealthy: under FSDP its peers may be left mid-collective, so the group
+        must be rebuilt."""
+        self.check_driver(driver)
+        if role not in self.roles:  # being rebuilt by an older client
+            raise PoolTaken(
+                f"pool {self.cfg.ray.pool_name!r}: worker {self.group}-{self.rank} holds no "
+                f"{role!r} now (roles {sorted(self.roles)}): another driver is rebuilding it"
+            )
         try:
             return getattr(self.roles[role], method)(*args)
         except Exception as e:
             self.error = f"{role}.{method}: {type(e).__name__}: {e}"
             raise
 
-    def publish(self, role: str) -> list | None:
+    def publish(self, role: str, driver: dict | None = None) -> list | None:
         """The role's full weights into Ray's object store (all ranks gather, rank 0 puts):
         `[ref]` from rank 0 (a list, so that the caller does not fetch the tensors)."""
-        state = self.call(role, "full_state_dict")
+        state = self.call(role, "full_state_dict", driver=driver)
         return [ray.put(state)] if self.rank == 0 else None
 
-    def receive(self, role: str, holder: list, version: int) -> float:
+    def receive(self, role: str, holder: list, version: int, driver: dict | None = None) -> float:
         """Load the weights `publish` put (`holder = [ref]`) into the role; the seconds."""
-        return self.call(role, "receive", ray.get(holder[0]), version)
+        return self.call(role, "receive", ray.get(holder[0]), version, driver=driver)
 
     @ray.method(concurrency_group="status")
     def get_spec(self) -> dict:  # answers at once; `configure` then waits for a call in flight
@@ -163,6 +185,7 @@ class Worker:
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
             "healthy": bool(self.roles) and self.error is None,
             "error": self.error,
+            "driver": self.driver,
         }
         for name, role in self.roles.items():
             out[name] = role.info()
