@@ -13,6 +13,8 @@ KubeRay, Slurm, docker or GPU here; no Ray is started and nothing trains):
 - the scripts by `bash -n` and shellcheck, and the Job's entry point forwards SIGTERM;
 - the files agree with each other and with the code (ray start / mlflow server options,
   the head service name, images, resources, paths in the image).
+
+Authentication: test_cluster_auth.py and test_cluster_auth_runs.py.
 """
 
 from __future__ import annotations
@@ -32,51 +34,28 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
-
-ROOT = Path(__file__).parents[1]
-CLUSTER = ROOT / "deployments" / "cluster"
-BIN = Path(sys.executable).parent
-# the oldest Kubernetes minor still widely run, and the newest the validator knows
-K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
-CRD_SCHEMA = CLUSTER / "kuberay" / "raycluster-crd-v1.7.0.schema.json"
-RAYCLUSTERS = sorted((CLUSTER / "kuberay").glob("raycluster-*.yaml"))
-CORE_FILES = sorted((CLUSTER / "k8s").glob("*.yaml"))
-IMAGE_HOME = "/opt/hybridrl"  # WORKDIR of the Dockerfile, where the image holds the checkout
-
-
-def documents(path: Path) -> list[dict]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def k8s_valid(doc: dict) -> None:
-    for version in K8S_VERSIONS:
-        kubernetes_validate.validate(doc, version, strict=True)
-
-
-def as_pod_template(template: dict, name: str) -> dict:
-    """A pod template (PodTemplateSpec) as the core/v1 object that holds one."""
-    return {
-        "apiVersion": "v1",
-        "kind": "PodTemplate",
-        "metadata": {"name": name},
-        "template": template,
-    }
-
-
-def group_templates(cluster: dict) -> list[tuple[str, dict]]:
-    spec = cluster["spec"]
-    return [("head", spec["headGroupSpec"]["template"])] + [
-        (g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs", [])
-    ]
-
-
-def prefect_yaml() -> dict:
-    return yaml.safe_load((CLUSTER / "prefect" / "prefect.yaml").read_text())
-
-
-def base_job_template() -> dict:
-    return json.loads((CLUSTER / "prefect" / "base-job-template.json").read_text())
+from cluster_recipes import (
+    BIN,
+    CLUSTER,
+    CORE_FILES,
+    CRD_SCHEMA,
+    DEPLOYMENTS,
+    IMAGE_HOME,
+    MLFLOW_SECRET,
+    PLACEHOLDER,
+    PREFECT_SECRET,
+    RAY_TOKEN_SECRET,
+    RAYCLUSTERS,
+    ROOT,
+    NoServer,
+    as_pod_template,
+    base_job_template,
+    deployment,
+    documents,
+    group_templates,
+    k8s_valid,
+    prefect_yaml,
+)
 
 
 # ------------------------------------------------------------------ core Kubernetes objects
@@ -113,10 +92,17 @@ def test_a_misspelled_field_fails_the_kubernetes_schema():
             k8s_valid(bad)
 
 
-def test_the_secret_example_holds_no_real_keys():
-    (secret,) = documents(CLUSTER / "k8s" / "secret-example.yaml")
-    assert set(secret["stringData"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    assert all(v.startswith("REPLACE-WITH-") for v in secret["stringData"].values())
+def test_the_secret_examples_hold_no_real_keys():
+    secrets = {s["metadata"]["name"]: s for s in documents(CLUSTER / "k8s" / "secret-example.yaml")}
+    assert {name: set(s["stringData"]) for name, s in secrets.items()} == {
+        "hybridrl-s3": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"},
+        RAY_TOKEN_SECRET: {"auth_token"},
+        MLFLOW_SECRET: {"username", "password", "flask_secret_key"},
+        PREFECT_SECRET: {"auth_string"},
+    }
+    for s in secrets.values():
+        assert s["kind"] == "Secret" and s["metadata"]["namespace"] == "hybridrl"
+        assert all(v.startswith(PLACEHOLDER) for v in s["stringData"].values())
 
 
 # ------------------------------------------------------------------ RayClusters and the CRD
@@ -189,12 +175,10 @@ def start_params(group: dict) -> dict[str, float]:
 @pytest.mark.parametrize("path", RAYCLUSTERS, ids=lambda p: p.name)
 def test_rayclusters_agree_with_ray_and_the_image(path):
     """Every rayStartParams key is a `ray start` option; the Ray version is the installed
-    one (a driver must match its cluster); every container runs without Ray's token auth,
-    like hybridrl's driver; the head runs no pool worker."""
+    one (a driver must match its cluster); the head runs no pool worker. (Token auth:
+    test_no_endpoint_runs_without_authentication.)"""
     import ray
     from ray.scripts.scripts import start
-
-    from hybrid_engine import RAY_ENV
 
     options = {o.removeprefix("--") for p in start.params for o in p.opts}
     (cluster,) = documents(path)
@@ -204,9 +188,6 @@ def test_rayclusters_agree_with_ray_and_the_image(path):
     for group in groups:
         assert set(group["rayStartParams"]) <= options, set(group["rayStartParams"]) - options
         assert all(isinstance(v, str) for v in group["rayStartParams"].values())
-        for container in group["template"]["spec"]["containers"]:
-            env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            assert env["RAY_AUTH_MODE"] == RAY_ENV["RAY_AUTH_MODE"] == "disabled"
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     for group in spec["workerGroupSpecs"]:
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
@@ -245,13 +226,6 @@ def test_an_undeclared_placeholder_is_refused_by_prefect():
         WorkPoolCreate(name="hybridrl-k8s", type="kubernetes", base_job_template=template)
 
 
-class NoServer:
-    """A Prefect client that refuses every call: rendering needs no server."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"the rendering called the Prefect API ({name})")
-
-
 def rendered_job(job_variables: dict) -> dict:
     """The Job manifest a Kubernetes worker makes for a flow run of a deployment with these
     job variables: prefect-kubernetes' own configuration class, rendering and preparation."""
@@ -266,13 +240,6 @@ def rendered_job(job_variables: dict) -> dict:
     run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="brave-otter")
     config.prepare_for_flow_run(flow_run=run)
     return config.job_manifest
-
-
-DEPLOYMENTS = [d["name"] for d in prefect_yaml()["deployments"]]
-
-
-def deployment(name: str) -> dict:
-    return next(d for d in prefect_yaml()["deployments"] if d["name"] == name)
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)
@@ -307,7 +274,6 @@ def test_each_deployment_renders_a_valid_job(name):
     env = {e["name"]: e for e in container["env"]}
     for key, value in job_variables["env"].items():
         assert env[key]["value"] == value
-    assert env["RAY_AUTH_MODE"]["value"] == "disabled"
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         ref = env[key]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == (job_variables["s3_secret_name"], key)
@@ -389,7 +355,10 @@ def test_mlflow_server_matches_the_tracking_uri():
     (container,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
     options = {o for p in mlflow.cli.server.params for o in p.opts}
     flags = {a.split("=", 1)[0] for a in container["args"]}
-    assert container["command"] == ["mlflow", "server"] and flags <= options, flags - options
+    # bash checks the credentials, then `exec mlflow server "$@"` with the args
+    assert container["command"][:2] == ["/bin/bash", "-c"] and len(container["command"]) == 4
+    assert container["command"][2].endswith('; exec mlflow server "$@"')
+    assert flags <= options, flags - options
     args = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
@@ -411,6 +380,8 @@ def test_dockerfile_installs_torch_first_then_the_project():
     runs = [line for line in text.splitlines() if line.startswith("RUN ")]
     assert "torch==2.13.0" in runs[0]
     assert any("pip install . " in r for r in runs[1:])
+    # the MLflow server's basic-auth app needs Flask-WTF (mlflow's `auth` extra)
+    assert any('"mlflow[auth]"' in r for r in runs[1:])
     pyproject = (ROOT / "pyproject.toml").read_text()
     packages = re.search(r"include = \[(.*?)\]", pyproject).group(1)
     for package in re.findall(r'"(\w+)\*"', packages):

@@ -19,11 +19,32 @@ if [ "$#" -eq 0 ]; then
   echo "usage: $0 COMMAND [ARG...]   (Prefect passes its flow-run command)" >&2
   exit 2
 fi
-# The same default as hybridrl's driver (hybrid_engine.RAY_ENV); token auth: set
-# RAY_AUTH_MODE=token and RAY_AUTH_TOKEN for this pod and in the Ray pods.
-export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+# Credentials come from Secrets (base-job-template.json) and are never printed. Ray's token
+# authentication: the cluster of ../kuberay/ requires the token (the Secret
+# hybridrl-ray-token); token mode unless told otherwise. A missing, empty or placeholder
+# token, or an empty or placeholder MLflow password or Prefect auth string, is refused in one
+# line before anything starts.
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+for var in MLFLOW_TRACKING_PASSWORD PREFECT_API_AUTH_STRING; do
+  if [ -n "${!var+set}" ]; then
+    case "${!var}" in
+      "" | REPLACE-WITH-*)
+        echo "join-ray-and-run.sh: $var is empty or the example placeholder: set it in its Secret (k8s/secret-example.yaml)" >&2
+        exit 2
+        ;;
+    esac
+  fi
+done
 joined=false
 if [ -n "${RAY_ADDRESS:-}" ]; then
+  if [ "$RAY_AUTH_MODE" = token ] && [ ! -s "${RAY_AUTH_TOKEN_PATH:-}" ]; then
+    case "${RAY_AUTH_TOKEN:-}" in
+      "" | REPLACE-WITH-*)
+        echo "join-ray-and-run.sh: RAY_AUTH_MODE=token but RAY_AUTH_TOKEN is empty or the example placeholder: put the cluster's token under the key auth_token of the Secret hybridrl-ray-token (k8s/secret-example.yaml)" >&2
+        exit 2
+        ;;
+    esac
+  fi
   # RAY_ADDRESS is the head's GCS address HOST:6379 (not a ray:// client address)
   ray start --address="$RAY_ADDRESS" --num-cpus=0 --num-gpus=0 \
     --object-store-memory="${RAY_DRIVER_OBJECT_STORE_BYTES:-268435456}" \
