@@ -39,6 +39,7 @@ from hybrid_engine.pool.group import WorkerLostError
 from storage.faults import fault_point
 from storage.lease import RunLease
 from storage.store import RunStore, check_reach
+from storage.tracking.runs import mark_driver_lost
 from tasks.checkpoint import checkpoint, finish, restore
 from tasks.progress import emit
 from tasks.recovery import (
@@ -52,6 +53,7 @@ from tasks.recovery import (
     rearm,
 )
 from tasks.registry import announce, register_final
+from tasks.restarts import count_restart
 from tasks.retry import task_options
 from tasks.stages import advantage, reward, rollout, update, validate
 
@@ -75,6 +77,7 @@ def train(
     run_id: str | None = None,
     resume_from: str | None = None,
     fork_from: str | None = None,
+    restarted: bool = False,
 ) -> dict[str, Any] | State:
     """Train a policy from a YAML preset + dotted overrides, as run `run_id` (default
     `<preset>-<timestamp>`); or continue run `resume_from` where it stopped (its stored
@@ -85,23 +88,28 @@ def train(
     started; `fork_from` with a `run_id` that is that fork already resumes it.
 
     A dead or hung worker is recovered from by itself (`tasks.recovery`); SIGTERM ends the
-    flow run in state "Preempted" with every committed stage kept."""
+    flow run in state "Preempted" with every committed stage kept. `restarted`: set by the
+    trigger that resumes a Crashed flow run (`tasks.restarts`)."""
     logger = get_run_logger()
     opened = open_run(config, overrides or [], run_id, resume_from, fork_from)
     cfg, store, resume = opened.cfg, opened.store, opened.resume
     name_flow_run(store.run_id)
     lease = RunLease(store, cfg.storage.lease_timeout_s)
-    if taken := lease.acquire():  # LeaseHeld: another driver trains this run
+    wait_s = 2 * cfg.storage.lease_timeout_s if restarted else 0  # the dead driver's lease
+    if taken := lease.acquire(wait_s, logger.warning):  # LeaseHeld: a live driver trains it
         logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
+        mark_driver_lost(cfg, store, taken)
     store.guard = lease.check  # a driver taken over while it stalled commits nothing more
-    if resume:  # a SIGKILLed driver of this run may have left its Prefect server running
-        doc = store.read_run() or {}
-        clean_up_after(doc.get("driver"))
-        store.write_run({**doc, "driver": driver_record()})
     recovery = Recovery(cfg, store)
     track = engine = None
     try:
         with preemption():
+            if resume:  # a SIGKILLed driver of this run may have left its Prefect server
+                doc = store.read_run() or {}
+                clean_up_after(doc.get("driver"))
+                limit = cfg.pipeline.max_driver_restarts
+                restarts = count_restart(store, doc, limit, restarted)  # CrashLoop
+                store.write_run({**doc, "driver": driver_record(), "driver_restarts": restarts})
             if opened.lineage:  # a new fork: recorded first (its stages are its parent's)
                 record_run(store, cfg, opened.lineage)
                 log_fork(store, opened.lineage)

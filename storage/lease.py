@@ -106,14 +106,27 @@ class RunLease:
         return None
 
     # ---------------------------------------------------------------- holding
-    def acquire(self) -> str | None:
-        """Take the run's lease, or raise LeaseHeld. Returns how an earlier holder's lease
-        was taken over (None when there was none)."""
+    def acquire(self, wait_s: float = 0, say: Any = None) -> str | None:
+        """Take the run's lease, or raise LeaseHeld. A holder that still looks alive is
+        waited for up to `wait_s` (a restart after a crash on another host: its heartbeat has
+        to age past the timeout), with one line to `say`. Returns how an earlier holder's
+        lease was taken over (None when there was none)."""
+        deadline = time.monotonic() + wait_s
         for _ in range(5):  # a lost race re-reads the new holder
             gen, doc = self.holder()
             why = None
             if doc is not None:
                 why = self.gone(doc)
+                while why is None and time.monotonic() < deadline:
+                    if say is not None:
+                        say(
+                            f"{held_line(self.store.run_id, doc)}: waiting up to {wait_s:g} s "
+                            "for it to lapse"
+                        )
+                        say = None
+                    time.sleep(min(5.0, self.timeout_s / 4))
+                    gen, doc = self.holder()
+                    why = "released" if doc is None else self.gone(doc)
                 if why is None:
                     raise LeaseHeld(
                         f"{held_line(self.store.run_id, doc)}; a second driver would write "

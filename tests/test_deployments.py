@@ -4,7 +4,8 @@ Prefect server, a process work pool and worker, `prefect deployment run ... --wa
 run's `hybridrl.run.finished` event runs the `evaluate-on-finish` deployment by itself (the
 automation `hybridrl deploy` created), which makes the registered version `champion`. Then a
 deployment run preempted (SIGTERM to its process) resumes itself: the deployment's trigger
-on the "Preempted" state runs it again with resume_from = the run id."""
+on the "Preempted" state runs it again with resume_from = the run id; and one whose driver
+is SIGKILLed (the flow run Crashed) by the trigger on "Crashed", its MLflow run finished."""
 
 import json
 import os
@@ -122,19 +123,7 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         assert "Completed" in out, out
         assert (tmp_path / "runs/scheduled-1/final/COMMITTED").is_file()
 
-        req = urllib.request.Request(
-            f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=hybridrl"
-        )
-        exp_id = json.loads(urllib.request.urlopen(req).read())["experiment"]["experiment_id"]
-        body = json.dumps(
-            {"experiment_ids": [exp_id], "filter": "tags.`hybridrl.run_id` = 'scheduled-1'"}
-        ).encode()
-        req = urllib.request.Request(
-            f"{mlflow_url}/api/2.0/mlflow/runs/search",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        (run,) = json.loads(urllib.request.urlopen(req).read())["runs"]
+        run = mlflow_run(mlflow_url, "scheduled-1")
         assert run["info"]["status"] == "FINISHED"
         metrics = {m["key"]: m for m in run["data"]["metrics"]}
         assert metrics["critic/score/mean"]["step"] == 2 and "actor/pg_loss" in metrics
@@ -198,6 +187,34 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         states = wait_for_states(prefect_api, "preempted-1", "Completed", 600)
         assert sorted(states) == ["Completed", "Preempted"], states
         assert (tmp_path / "runs/preempted-1/final/COMMITTED").is_file()
+
+        # its driver SIGKILLed in step 2's reward stage: the worker reports the flow run
+        # Crashed, the deployment's trigger on Crashed runs it again (restarted=true)
+        fault = json.dumps({"HYBRIDRL_FAULT": "step-2/reward:start=kill"})
+        out = prefect(
+            "deployment",
+            "run",
+            "train/grpo-tiny-nightly",
+            "--param",
+            f"overrides={json.dumps(overrides)}",
+            "--param",
+            "run_id=crashed-1",
+            "--job-variable",
+            f"env={fault}",
+            "--watch",
+            timeout=600,
+            check=False,
+        )
+        assert "Crashed" in out, out
+        states = wait_for_states(prefect_api, "crashed-1", "Completed", 600)
+        assert sorted(states) == ["Completed", "Crashed"], states
+        assert (tmp_path / "runs/crashed-1/final/COMMITTED").is_file()
+        doc = json.loads((tmp_path / "runs/crashed-1/run.json").read_text())
+        assert doc["driver_restarts"] == {"count": 1, "step": 1}
+        run = mlflow_run(mlflow_url, "crashed-1")  # marked FAILED, then reopened and finished
+        assert run["info"]["status"] == "FINISHED"
+        tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+        assert tags["hybridrl.driver_lost"].startswith("its process (pid ")
     finally:
         if worker is not None:
             os.killpg(worker.pid, signal.SIGTERM)
@@ -207,6 +224,22 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait(30)
         stop(mlflow_proc)
+
+
+def mlflow_run(url: str, run_id: str) -> dict:
+    """The MLflow run of training run `run_id`, through the server's REST API."""
+    req = urllib.request.Request(
+        f"{url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=hybridrl"
+    )
+    exp_id = json.loads(urllib.request.urlopen(req).read())["experiment"]["experiment_id"]
+    body = json.dumps(
+        {"experiment_ids": [exp_id], "filter": f"tags.`hybridrl.run_id` = '{run_id}'"}
+    ).encode()
+    req = urllib.request.Request(
+        f"{url}/api/2.0/mlflow/runs/search", data=body, headers={"Content-Type": "application/json"}
+    )
+    (run,) = json.loads(urllib.request.urlopen(req).read())["runs"]
+    return run
 
 
 def flow_runs(api: str, name: str) -> list[dict]:

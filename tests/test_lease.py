@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -149,3 +150,93 @@ def test_deleting_a_run_that_trains_is_refused(tmp_path):
     store.write_run({"created": time.time()})
     with RunLease(store, timeout_s=60), pytest.raises(LeaseHeld, match="stop it before deleting"):
         delete_run(cfg, "r1")
+
+
+@pytest.mark.fast
+def test_a_restart_waits_for_a_dead_holders_lease_but_not_for_a_live_one(store):
+    """A restart after a crash on another host: the dead driver's heartbeat has to age past
+    the timeout, which `acquire(wait_s)` waits for, saying so once; a live holder keeps its
+    lease through the wait."""
+    live = RunLease(store, timeout_s=0.8)
+    live.acquire()
+    said = []
+    began = time.monotonic()
+    with pytest.raises(LeaseHeld, match="being trained by pid"):
+        RunLease(store, timeout_s=0.8).acquire(wait_s=1.5, say=said.append)
+    assert time.monotonic() - began >= 1.5
+    assert len(said) == 1 and "waiting up to 1.5 s for it to lapse" in said[0]
+    live._stop.set()  # its heartbeat stops, as a SIGKILLed driver's on another host would
+    live._thread.join()
+    restart = RunLease(store, timeout_s=0.8)
+    assert restart.acquire(wait_s=30).startswith("no heartbeat for ")
+    restart.release()
+
+
+@pytest.mark.fast
+def test_restarts_in_a_row_that_commit_nothing_stop_at_the_budget(store):
+    from tasks.restarts import CrashLoop, count_restart
+
+    doc = {}
+    for count in (1, 2):
+        doc["driver_restarts"] = count_restart(store, doc, 2, restarted=True)
+        assert doc["driver_restarts"] == {"count": count, "step": 0}
+    with pytest.raises(CrashLoop) as loop:
+        count_restart(store, doc, 2, restarted=True)
+    line = str(loop.value)
+    assert "\n" not in line and "died 3 times in a row" in line
+    assert "pipeline.max_driver_restarts=2" in line and "hybridrl resume r1" in line
+    store.commit_stage(1, "update", None, {"step": 1})  # progress: the count starts again
+    assert count_restart(store, doc, 2, restarted=True) == {"count": 1, "step": 1}
+    # a person's resume starts it again too
+    assert count_restart(store, doc, 2, restarted=False) == {"count": 0, "step": 1}
+
+
+def test_a_restarted_crash_loop_stops_in_one_line_with_mlflow_failed(tmp_path, prefect_api):
+    """A driver SIGKILLed in step 1; the trigger's restart (`restarted=True`) with
+    pipeline.max_driver_restarts=0 takes the dead driver's lease, marks its MLflow run
+    FAILED and refuses; a person's resume then finishes the run, MLflow FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    root, db = tmp_path / "runs", f"sqlite:///{tmp_path}/mlflow.db"
+    env = {
+        **PRISTINE_ENV,
+        **S3_ENV,
+        "PYTHONPATH": str(ROOT / "tests"),
+        "PREFECT_API_URL": prefect_api,
+    }
+    where = [f"storage.root={root}", "tracking.enabled=true", f"tracking.uri={db}"]
+    args = ["train", "configs/grpo_tiny.yaml", *ARGS, *where, "--run-id", "loop"]
+    rc, out, _ = Driver(args, {**env, "HYBRIDRL_FAULT": "step-1/reward:start=kill"}).wait(
+        timeout=300
+    )
+    assert rc == -9, out
+    doc = json.loads((root / "loop" / "run.json").read_text())
+    client = MlflowClient(db)
+    assert client.get_run(doc["mlflow_run_id"]).info.status == "RUNNING"  # left by the kill
+    restart = (
+        "from flows.train import train\n"
+        f"train(resume_from='loop', overrides={[*where, 'pipeline.max_driver_restarts=0']!r}, "
+        "restarted=True)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", restart],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 1
+    assert p.stderr.splitlines()[-1].startswith(
+        "tasks.restarts.CrashLoop: run loop: its driver died 1 time in a row"
+    ), p.stderr[-3000:]
+    run = client.get_run(doc["mlflow_run_id"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["hybridrl.driver_lost"].startswith("its process (pid ")
+    lease = RunLease(RunStore(StorageConfig(root=str(root)), "loop"), 60)
+    assert lease.holder()[1]["released"]  # the refusing driver let go of the run
+    rc, out, _ = Driver(["resume", "loop", *where], env).wait(timeout=400)
+    assert rc == 0, out
+    assert client.get_run(doc["mlflow_run_id"]).info.status == "FINISHED"
+    doc = json.loads((root / "loop" / "run.json").read_text())
+    assert doc["driver_restarts"]["count"] == 0

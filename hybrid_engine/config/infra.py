@@ -212,6 +212,12 @@ class PipelineConfig(Section):
     recovery_delay_s: float = Field(
         5.0, ge=0, description="wait before re-creating the pool; doubles on each recovery"
     )
+    max_driver_restarts: int = Field(
+        3,
+        ge=0,
+        description="restarts in a row, by a deployment's trigger on a Crashed flow run, "
+        "that find no newly committed update; one more refuses (a crash loop)",
+    )
     stage_timeout_s: float = Field(
         300,
         gt=0,

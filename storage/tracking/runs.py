@@ -68,6 +68,27 @@ def check_tracking(uri: str, must_exist: bool = False, timeout_s: float = 5.0) -
             raise TrackingUnavailable(f"no MLflow store at {uri} ({path} does not exist)")
 
 
+def mark_driver_lost(cfg: HybridConfig, store: RunStore, why: str) -> str | None:
+    """The MLflow run of a driver that died, marked FAILED with tag `hybridrl.driver_lost`
+    (the next driver reopens it when it goes on). Its id, or None (no tracking, no MLflow run
+    yet, or the tracking store did not answer: logged, not raised)."""
+    run_id = (store.read_run() or {}).get("mlflow_run_id")
+    if not cfg.tracking.enabled or run_id is None:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri(cfg))
+        if client.get_run(run_id).info.status != "RUNNING":
+            return run_id
+        client.set_tag(run_id, "hybridrl.driver_lost", why)
+        client.set_terminated(run_id, status="FAILED")
+    except Exception as e:  # noqa: BLE001 - the run goes on; StepLog reopens or warns
+        log.warning("MLflow run %s of %s not marked FAILED: %s", run_id, store.run_id, e)
+        return None
+    return run_id
+
+
 class Tracker:
     """The MLflow run of one training run."""
 
