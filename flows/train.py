@@ -21,6 +21,7 @@ Parameters are plain JSON values (a deployment can pass them).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +118,10 @@ def train(
                 materialize_start(store, cfg)
             engine = start_engine(cfg, resume)
             rearm()  # connecting to Ray replaced the SIGTERM handler
+            # what start-up made (modules, the engine) lives as long as the run: out of the
+            # collector's sight, full collections are cheap and come often enough to free the
+            # cyclic garbage of each step (a figure per step) before it piles up (bench/soak.py)
+            gc.freeze()
             if not resume and not opened.lineage:  # once the run could start (a bad config
                 record_run(store, cfg)  # leaves nothing)
             track = StepLog(cfg, store)

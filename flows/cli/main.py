@@ -112,7 +112,9 @@ def _run_flow(
             console.print(
                 f"run id: [bold]{run_id}[/]" + (f" (a fork of {fork_from})" if fork_from else "")
             )
-        if cfg.trainer.reuse_freed_memory:  # before Prefect starts threads: see its docstring
+        # before Prefect starts threads (see its docstring); only where the models live: a
+        # pool's driver holds none, and keeping every block it frees only holds memory
+        if cfg.trainer.reuse_freed_memory and cfg.trainer.backend == "local":
             from hybrid_engine.roles.workers import reuse_freed_memory
 
             reuse_freed_memory()
