@@ -2,15 +2,20 @@
 against the same run without them.
 
 .venv/bin/python bench/chaos.py [--faults 10] [--steps 20] [--seed 0] [--backends ray,local]
+                                [--backends async,multiturn]
 
 On the pool (PPO: a 2-rank FSDP actor and a separate critic) the faults are: kill -9 an
 actor rank, kill -9 the critic, SIGSTOP a worker, S3 cut for 10 s, SIGTERM to the driver, a
 NaN in one step's advantages (actor.skip_nonfinite_steps on). On the local backend (GRPO,
-in-process roles): S3 cuts, SIGTERMs and the NaN. Storage is S3 (moto's server behind a TCP
+in-process roles): S3 cuts, SIGTERMs and the NaN. `async` (GRPO, trainer.max_staleness=1: a
+rollout replica beside the trainer) and `multiturn` (3-turn feedback rollouts on the pool) add a
+SIGKILL of the driver (between two turns for multiturn) and kill the rollout replica
+mid-generation. Storage is S3 (moto's server behind a TCP
 proxy that the benchmark cuts), Prefect a real `prefect server`, MLflow sqlite.
 
 A driver preempted with SIGTERM exits 143 and is restarted with `hybridrl resume`, as the
-deployment's "Preempted" trigger does; any other failed driver counts as needing a person
+deployment's "Preempted" trigger does, and so is one SIGKILLed (exit -9), as the trigger on
+"Crashed" does; any other failed driver counts as needing a person
 (and is resumed too, so the run still ends). The reference run gets the same NaN (a data
 fault), so the final weights can be compared bit for bit. Printed: per backend the faults,
 how each ended, the final-weights check, the wall-time overhead per fault, and whether
@@ -50,23 +55,49 @@ COMMON = [
     "pipeline.stage_timeout_s=5",
     "ray.call_timeout_s=300",
 ]
+# backend: (preset, overrides, fault kinds, the pool workers a SIGSTOP may hit)
 SETUPS = {
     "ray": (
         "configs/ppo_tiny.yaml",
         ["trainer.backend=ray", "ray.pool_name=chaos", "actor.layout.dp=2", "ray.critic=separate"],
         ["kill_actor", "kill_critic", "stop_worker", "s3_cut", "sigterm", "nan"],
+        ["actor-0", "actor-1", "critic-0"],
     ),
     "local": (
         "configs/grpo_tiny.yaml",
         ["rollout.micro_batch_size=8"],
         ["s3_cut", "sigterm", "nan"],
+        [],
+    ),
+    # asynchronous training: the rollout of step N+1 on its own replica beside update N
+    "async": (
+        "configs/grpo_tiny.yaml",
+        ["trainer.max_staleness=1", "ray.pool_name=chaos-async", "ray.call_timeout_s=120"],
+        ["kill_actor", "kill_rollout", "stop_worker", "s3_cut", "sigterm", "kill_driver", "nan"],
+        ["actor-0", "rollout-0"],
+    ),
+    # multi-turn rollouts (3 turns of the feedback environment) on the pool
+    "multiturn": (
+        "configs/multiturn_tiny.yaml",
+        ["trainer.backend=ray", "ray.pool_name=chaos-mt"],
+        ["kill_actor", "stop_worker", "s3_cut", "sigterm", "kill_driver", "nan"],
+        ["actor-0"],
     ),
 }
 CUT_S = 10.0
 
 
-def schedule(kinds: list[str], k: int, steps: int, rng: random.Random, flags: Path) -> list:
-    """K faults at distinct steps (2..steps-1): every kind once, the rest drawn (one NaN)."""
+def schedule(
+    kinds: list[str],
+    workers: list[str],
+    k: int,
+    steps: int,
+    rng: random.Random,
+    flags: Path,
+    turns: bool = False,
+) -> list:
+    """K faults at distinct steps (2..steps-1): every kind once, the rest drawn (one NaN).
+    With `turns` (multi-turn rollouts) a driver SIGKILL lands between two turns."""
     drawn = kinds + [rng.choice([x for x in kinds if x != "nan"]) for _ in range(k - len(kinds))]
     rng.shuffle(drawn)
     faults = []
@@ -75,11 +106,16 @@ def schedule(kinds: list[str], k: int, steps: int, rng: random.Random, flags: Pa
     ):
         stage = rng.choice(STAGES)
         if kind == "kill_actor":
-            spec = f"step-{step}/{stage}:start=kill-worker:actor-{rng.randrange(2)}@0.1"
+            rank = rng.randrange(sum(w.startswith("actor-") for w in workers))
+            spec = f"step-{step}/{stage}:start=kill-worker:actor-{rank}@0.1"
+        elif kind == "kill_rollout":  # inside a generate call: it reports sampled tokens
+            spec = f"step-{step}/rollout:start=kill-worker:rollout-0@generating"
+        elif kind == "kill_driver":
+            spec = f"step-{step}/{'rollout:turn-1' if turns else stage + ':start'}=kill"
         elif kind == "kill_critic":
             spec = f"step-{step}/{stage}:start=kill-worker:critic-0@0.1"
         elif kind == "stop_worker":
-            who = rng.choice(["actor-0", "actor-1", "critic-0"])
+            who = rng.choice(workers)
             spec = f"step-{step}/{stage}:start=stop-worker:{who}"
         elif kind == "s3_cut":
             spec = f"step-{step}/{stage}:before_commit=pause:{flags / f'cut-{i}'}"
@@ -97,7 +133,7 @@ def drive(
     """Run the driver until the run finishes: restart after SIGTERM (exit 143) the way the
     deployment trigger does, and after any other failure as a person would."""
     fired_log = log.with_suffix(".fired")  # which faults already happened, per run
-    drivers, preempted, failed, cut_s, errors = 0, 0, 0, 0.0, []
+    drivers, preempted, crashed, failed, cut_s, errors = 0, 0, 0, 0, 0.0, []
     cmd = ["train", *args, "--run-id", run_id]
     while True:
         drivers += 1
@@ -127,6 +163,8 @@ def drive(
             break
         if proc.returncode == 143:
             preempted += 1
+        elif proc.returncode == -9:  # SIGKILLed: a deployment's trigger on Crashed restarts it
+            crashed += 1
         else:
             failed += 1
             errors.append(last_error(log))
@@ -136,6 +174,7 @@ def drive(
     return {
         "drivers": drivers,
         "preempted": preempted,
+        "crashed": crashed,
         "failed": failed,
         "errors": errors,
         "fired": fired(fired_log),
@@ -158,9 +197,9 @@ def run_backend(
     import torch
     from safetensors.torch import load as st_load
 
-    config, extra, kinds = SETUPS[backend]
+    config, extra, kinds, workers = SETUPS[backend]
     rng = random.Random(f"{seed}-{backend}")
-    faults = schedule(kinds, k, steps, rng, out_dir)
+    faults = schedule(kinds, workers, k, steps, rng, out_dir, turns="multiturn" in config)
     bucket = f"chaos-{backend}-{int(time.time())}"
     fs = fsspec.filesystem("s3", endpoint_url=s3)
     fs.mkdir(bucket)
@@ -200,9 +239,10 @@ def run_backend(
     summary = json.loads(fs.cat_file(f"{bucket}/runs/chaos/final/summary.json"))
     skipped = sum(r.get("actor/nonfinite_skipped", 0) for r in summary["history"])
     events = run.get("recoveries", [])
-    worker = [f for f in faults if f["kind"] in ("kill_actor", "kill_critic", "stop_worker")]
+    worker = [f for f in faults if f["kind"].startswith(("kill_a", "kill_c", "kill_r", "stop_"))]
     cuts = [f for f in faults if f["kind"] == "s3_cut"]
     terms = [f for f in faults if f["kind"] == "sigterm"]
+    kills = [f for f in faults if f["kind"] == "kill_driver"]
     return {
         "backend": backend,
         "faults": faults,
@@ -213,6 +253,8 @@ def run_backend(
         "nan_skipped_minibatches": skipped,
         "sigterm": len(terms),
         "restarted_after_sigterm": got["preempted"],
+        "driver_kills": len(kills),
+        "restarted_after_kill": got["crashed"],
         "needing_a_person": got["failed"],
         "errors": got["errors"],
         "weights_equal": equal,
@@ -236,9 +278,10 @@ def down(backend: str, env: dict, bucket: str) -> list[str]:
 
     head = Path(env["HYBRIDRL_RAY_STATE"]) / "head.json"
     temp_dir = json.loads(head.read_text())["temp_dir"] if head.is_file() else None
-    if backend == "ray":
+    pools = [o.split("=", 1)[1] for o in SETUPS[backend][1] if o.startswith("ray.pool_name=")]
+    for pool in pools:
         subprocess.run(
-            [str(BIN / "hybridrl"), "pool", "down", "--pool", "chaos"],
+            [str(BIN / "hybridrl"), "pool", "down", "--pool", pool],
             env=env,
             capture_output=True,
             timeout=300,
@@ -270,6 +313,10 @@ def table(results: list[dict]) -> str:
         (
             "  SIGTERM -> exit 143, restarted by resume",
             lambda r: f"{r['sigterm']} -> {r['restarted_after_sigterm']}",
+        ),
+        (
+            "  driver SIGKILL -> restarted by resume",
+            lambda r: f"{r['driver_kills']} -> {r['restarted_after_kill']}",
         ),
         ("needing a person", lambda r: str(r["needing_a_person"])),
         (
