@@ -203,16 +203,19 @@ def main() -> None:
                         flush=True,
                     )
             time.sleep(0.2)
+    except KeyboardInterrupt:  # Ctrl-C: stop the run, report the samples so far
+        print(f"[soak] interrupted at step {seen}", flush=True)
     finally:
         if child.poll() is None:
             child.terminate()
             child.wait(60)
         log.close()
-    if child.returncode != 0:
+    if child.returncode != 0 and len(rows) < 2:
         sys.exit(f"[soak] the run failed ({child.returncode}): see {work / 'driver.log'}")
     kept = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*"))
+    ended = "after the run" if child.returncode == 0 else f"stopped ({child.returncode})"
     text = report(rows, args.preset) + (
-        f"\nafter the run: checkpoints {kept} (trainer.max_ckpt_to_keep=2), storage "
+        f"\n{ended}: checkpoints {kept} (trainer.max_ckpt_to_keep=2), storage "
         f"{tree_bytes(run_dir) / 2**20:.1f} MB"
     )
     print(text)

@@ -165,50 +165,33 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
             ("hybridrl.run.finished", "hybridrl-policy/1"),
         ], got
 
-        # preempted in step 2's reward stage (the fault is this flow run's own environment)
-        fault = json.dumps({"HYBRIDRL_FAULT": "step-2/reward:start=term"})
-        out = prefect(
-            "deployment",
-            "run",
-            "train/grpo-tiny-nightly",
-            "--param",
-            f"overrides={json.dumps(overrides)}",
-            "--param",
-            "run_id=preempted-1",
-            "--job-variable",
-            f"env={fault}",
-            "--watch",
-            timeout=600,
-            check=False,
-        )
-        if "Preempted" not in out and (uid := re.search(r"UUID: ([0-9a-f-]+)", out)):
-            out += prefect("flow-run", "logs", uid.group(1), check=False)  # why, if it fails
-        assert "Preempted" in out, out
-        states = wait_for_states(prefect_api, "preempted-1", "Completed", 600)
-        assert sorted(states) == ["Completed", "Preempted"], states
-        assert (tmp_path / "runs/preempted-1/final/COMMITTED").is_file()
-
-        # its driver SIGKILLed in step 2's reward stage: the worker reports the flow run
-        # Crashed, the deployment's trigger on Crashed runs it again (restarted=true)
-        fault = json.dumps({"HYBRIDRL_FAULT": "step-2/reward:start=kill"})
-        out = prefect(
-            "deployment",
-            "run",
-            "train/grpo-tiny-nightly",
-            "--param",
-            f"overrides={json.dumps(overrides)}",
-            "--param",
-            "run_id=crashed-1",
-            "--job-variable",
-            f"env={fault}",
-            "--watch",
-            timeout=600,
-            check=False,
-        )
-        assert "Crashed" in out, out
-        states = wait_for_states(prefect_api, "crashed-1", "Completed", 600)
-        assert sorted(states) == ["Completed", "Crashed"], states
-        assert (tmp_path / "runs/crashed-1/final/COMMITTED").is_file()
+        # a run preempted (SIGTERM), and one whose driver is SIGKILLed, in step 2's reward
+        # stage (the fault is that flow run's own environment): the worker reports the flow
+        # run Preempted / Crashed, and the deployment's trigger on that state runs it again
+        for action, state in (("term", "Preempted"), ("kill", "Crashed")):
+            run_id = f"{state.lower()}-1"
+            fault = json.dumps({"HYBRIDRL_FAULT": f"step-2/reward:start={action}"})
+            out = prefect(
+                "deployment",
+                "run",
+                "train/grpo-tiny-nightly",
+                "--param",
+                f"overrides={json.dumps(overrides)}",
+                "--param",
+                f"run_id={run_id}",
+                "--job-variable",
+                f"env={fault}",
+                "--watch",
+                timeout=600,
+                check=False,
+            )
+            if state not in out and (uid := re.search(r"UUID: ([0-9a-f-]+)", out)):
+                out += prefect("flow-run", "logs", uid.group(1), check=False)  # why, if it fails
+            assert state in out, out
+            states = wait_for_states(prefect_api, run_id, "Completed", 600)
+            assert sorted(states) == ["Completed", state], states
+            assert (tmp_path / f"runs/{run_id}/final/COMMITTED").is_file()
+        # the crashed run's restart counted, its MLflow run marked FAILED, then reopened
         doc = json.loads((tmp_path / "runs/crashed-1/run.json").read_text())
         assert doc["driver_restarts"] == {"count": 1, "step": 1}
         run = mlflow_run(mlflow_url, "crashed-1")  # marked FAILED, then reopened and finished
