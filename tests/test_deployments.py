@@ -109,17 +109,26 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
             "registry.min_format_rate=0",
             "registry.max_clip_ratio=1",
         ]
-        out = prefect(
-            "deployment",
-            "run",
-            "train/grpo-tiny-nightly",
-            "--param",
-            f"overrides={json.dumps(overrides)}",
-            "--param",
-            "run_id=scheduled-1",
-            "--watch",
-            timeout=600,
-        )
+
+        def run_nightly(run_id: str, fault: str | None = None) -> str:
+            """`prefect deployment run ... --watch` of the nightly deployment as `run_id`,
+            with a fault point in that flow run's own environment."""
+            env = ["--job-variable", f"env={json.dumps({'HYBRIDRL_FAULT': fault})}"]
+            return prefect(
+                "deployment",
+                "run",
+                "train/grpo-tiny-nightly",
+                "--param",
+                f"overrides={json.dumps(overrides)}",
+                "--param",
+                f"run_id={run_id}",
+                *(env if fault else []),
+                "--watch",
+                timeout=600,
+                check=fault is None,
+            )
+
+        out = run_nightly("scheduled-1")
         assert "Completed" in out, out
         assert (tmp_path / "runs/scheduled-1/final/COMMITTED").is_file()
 
@@ -170,21 +179,7 @@ def test_deployment_run_trains_and_lands_in_mlflow(tmp_path, prefect_api):
         # run Preempted / Crashed, and the deployment's trigger on that state runs it again
         for action, state in (("term", "Preempted"), ("kill", "Crashed")):
             run_id = f"{state.lower()}-1"
-            fault = json.dumps({"HYBRIDRL_FAULT": f"step-2/reward:start={action}"})
-            out = prefect(
-                "deployment",
-                "run",
-                "train/grpo-tiny-nightly",
-                "--param",
-                f"overrides={json.dumps(overrides)}",
-                "--param",
-                f"run_id={run_id}",
-                "--job-variable",
-                f"env={fault}",
-                "--watch",
-                timeout=600,
-                check=False,
-            )
+            out = run_nightly(run_id, f"step-2/reward:start={action}")
             if state not in out and (uid := re.search(r"UUID: ([0-9a-f-]+)", out)):
                 out += prefect("flow-run", "logs", uid.group(1), check=False)  # why, if it fails
             assert state in out, out
