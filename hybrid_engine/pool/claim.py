@@ -89,6 +89,15 @@ def driver_line(d: dict[str, Any] | None) -> str:
     return f"run {d['run']} (pid {d['pid']} on {d['host']})"
 
 
+def taken(pool: str, worker: str, holder: dict[str, Any] | None, run: str) -> PoolTaken:
+    """The refusal a driver gets from a worker that `holder` configured after it."""
+    return PoolTaken(
+        f"pool {pool!r}: worker {worker} was configured by {driver_line(holder)} while run "
+        f"{run} used it; that run stops here (resume it when the pool is free, or on another "
+        "ray.pool_name)"
+    )
+
+
 def gone(h: dict[str, Any]) -> str | None:
     """Why holder `h` no longer holds the pool, or None while it does."""
     if h["host"] == socket.gethostname() and not alive(h["pid"], h["started"]):

@@ -14,7 +14,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.models.loading import load_tokenizer
-from hybrid_engine.pool.claim import PoolTaken, driver_id, driver_line
+from hybrid_engine.pool.claim import driver_id, taken
 from hybrid_engine.pool.cluster import PoolError
 from hybrid_engine.pool.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
 
@@ -170,12 +170,7 @@ class WorkerGroup:
         """Rank 0's report on `role`; PoolTaken when another driver configured it since."""
         info = self.wait([self.handles[0].info.remote()], what)[0]
         if (info.get("driver") or {}).get("owner") != self.driver["owner"]:
-            raise PoolTaken(
-                f"pool {self.pool_name!r}: worker {self.name}-0 was configured by "
-                f"{driver_line(info.get('driver'))} while run {self.driver['run']} used it; "
-                "that run stops here (resume it when the pool is free, or on another "
-                "ray.pool_name)"
-            )
+            raise taken(self.pool_name, f"{self.name}-0", info.get("driver"), self.driver["run"])
         return info[role]
 
     def info(self, timeout_s: float = 10.0) -> list[dict]:

@@ -13,7 +13,7 @@ import torch
 
 from hybrid_engine.config import HybridConfig, import_plugins
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
-from hybrid_engine.pool.claim import PoolTaken, driver_line
+from hybrid_engine.pool.claim import PoolTaken, taken
 from hybrid_engine.pool.cluster import PoolError, _free_port
 from hybrid_engine.pool.placement import RESOURCES_KEY
 from hybrid_engine.pool.replica import RolloutReplica
@@ -129,11 +129,7 @@ class Worker:
         caller without an id, an older client, is not checked)."""
         if driver is None or (self.driver or {}).get("owner") == driver["owner"]:
             return
-        raise PoolTaken(
-            f"pool {self.cfg.ray.pool_name!r}: worker {self.group}-{self.rank} was configured "
-            f"by {driver_line(self.driver)} while run {driver['run']} used it; that run "
-            "stops here (resume it when the pool is free, or on another ray.pool_name)"
-        )
+        raise taken(self.cfg.ray.pool_name, f"{self.group}-{self.rank}", self.driver, driver["run"])
 
     def call(self, role: str, method: str, *args: Any, driver: dict | None = None) -> Any:
         """A stage operation of one role, for `driver` (see `check_driver`). A failure marks
