@@ -62,15 +62,6 @@ def test_gspo_sequence_ratio_value_and_stop_gradient():
     adv = T([[1.0] * 3, [-1.0] * 3, [1.0] * 3])
     mask = T([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
     (loss, clipfrac, ppo_kl, lower), grad = run(
-        "gspo", old, d, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28
-    )
-    close(loss, -0.2842272)
-    close(grad, [[-0.2035671] * 2 + [0.0], [0.2747869] * 2 + [0.0], [0.0] * 3])
-    close(clipfrac, 3 / 7)  # seq 3's three tokens
-    close(ppo_kl, -2.6 / 7)  # -(0.1 + 0.3 + 0.5 + 0.5 + 1.2) / 7
-    close(lower, 0.0)
-    # whatever loss_agg_mode says, GSPO averages sequences
-    (same, *_), _ = run(
         "gspo",
         old,
         d,
@@ -78,9 +69,53 @@ def test_gspo_sequence_ratio_value_and_stop_gradient():
         mask,
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
-        loss_agg_mode="token-sum",
+        loss_agg_mode="seq-mean-token-mean",
     )
-    close(same, -0.2842272)
+    close(loss, -0.2842272)
+    close(grad, [[-0.2035671] * 2 + [0.0], [0.2747869] * 2 + [0.0], [0.0] * 3])
+    close(clipfrac, 3 / 7)  # seq 3's three tokens
+    close(ppo_kl, -2.6 / 7)  # -(0.1 + 0.3 + 0.5 + 0.5 + 1.2) / 7
+    close(lower, 0.0)
+
+
+# The same three sequences through verl 0.9.1's own `compute_policy_loss_gspo` (the PyPI wheel,
+# FSDPActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28), loss_scale_factor set through
+# `config.global_batch_info` as verl's losses.py does): (mode, loss_scale_factor) -> pg_loss and
+# the gradient of seq 1 and seq 2 (seq 3 is clipped: 0). Token losses -s_1 = -1.2214028 (x2),
+# +s_2 = 1.6487212 (x2), -1.28 (x3): token-sum = -2.985363, token-mean = that / 7, and so on.
+VERL_091_GSPO = {
+    ("token-mean", None): (-0.4264804, -0.1744861, 0.2355316),
+    ("token-sum", None): (-2.9853630, -1.2214028, 1.6487212),
+    ("seq-mean-token-sum", None): (-0.9951210, -0.4071343, 0.5495738),
+    ("seq-mean-token-mean", None): (-0.2842272, -0.2035671, 0.2747869),
+    ("seq-mean-token-sum-norm", None): (-0.3317070, -0.1357114, 0.1831913),
+    ("seq-mean-token-sum-norm", 32): (-0.0310975, -0.0127229, 0.0171742),
+}
+
+
+@pytest.mark.parametrize(("mode", "scale"), list(VERL_091_GSPO))
+def test_gspo_honours_every_aggregation_mode_as_verl_091(mode, scale):
+    old = torch.zeros(3, 3)
+    d = T([[0.1, 0.3, 0.0], [0.5, 0.5, 9.0], [0.4, 0.4, 0.4]])
+    adv = T([[1.0] * 3, [-1.0] * 3, [1.0] * 3])
+    mask = T([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
+    (loss, clipfrac, ppo_kl, _), grad = run(
+        "gspo",
+        old,
+        d,
+        adv,
+        mask,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode=mode,
+        loss_scale_factor=scale,
+    )
+    value, g1, g2 = VERL_091_GSPO[mode, scale]
+    close(loss, value)
+    close(grad, [[g1, g1, 0.0], [g2, g2, 0.0], [0.0] * 3])
+    close(clipfrac, 3 / 7)  # the diagnostics do not depend on the mode
+    close(ppo_kl, -2.6 / 7)
+    assert loss_aggregation("gspo", mode) == mode
 
 
 def test_cispo_every_token_keeps_a_clipped_stop_gradient_weight():
@@ -183,6 +218,7 @@ def test_gpg_and_rollout_is_weights_scale_token_losses():
 def test_registry_is_the_source_of_loss_names_and_aggregation():
     assert {"vanilla", "gspo", "cispo", "geo_mean", "gpg", "sapo"} <= set(POLICY_LOSSES)
     assert loss_aggregation("sapo", "token-mean") == "seq-mean-token-mean"
+    assert loss_aggregation("gspo", "token-sum") == "token-sum"
     assert loss_aggregation("cispo", "seq-mean-token-sum-norm") == "seq-mean-token-sum-norm"
     assert loss_aggregation("geo_mean", "token-mean") == "seq-mean"
     assert get_policy_loss("gspo").summary.startswith("GSPO")

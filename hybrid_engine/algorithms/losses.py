@@ -219,7 +219,7 @@ def vanilla_loss(
     )
 
 
-@POLICY_LOSSES.register("gspo", aggregation="seq-mean-token-mean")
+@POLICY_LOSSES.register("gspo")
 def gspo_loss(
     old_log_prob,
     log_prob,
@@ -228,10 +228,12 @@ def gspo_loss(
     *,
     clip_ratio_low,
     clip_ratio_high,
+    loss_agg_mode,
     rollout_is_weights=None,
+    loss_scale_factor=None,
     **_,
 ) -> PolicyLossOut:
-    """GSPO: PPO-clip on the sequence's length-normalised ratio; always seq-mean-token-mean.
+    """GSPO: PPO-clip on the sequence's length-normalised ratio (the paper: seq-mean-token-mean).
 
     log s_i = sum_t m (logp - old) / |y_i|   (the geometric mean of the token ratios)
     s_it = exp(min(sg[log s_i] + logp - sg[logp], 10))   value s_i, gradient s_i dlogp_t
@@ -245,7 +247,7 @@ def gspo_loss(
     losses1 = -advantages * s
     losses2 = -advantages * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     losses = _is_weighted(torch.maximum(losses1, losses2), rollout_is_weights)
-    pg_loss = agg_loss(losses, response_mask, "seq-mean-token-mean")
+    pg_loss = agg_loss(losses, response_mask, loss_agg_mode, loss_scale_factor)
     zero = torch.zeros((), device=pg_loss.device)
     return (
         pg_loss,

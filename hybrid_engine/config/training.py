@@ -170,7 +170,7 @@ class ActorConfig(Section):
     loss_agg_mode: LossAggMode = Field(
         "token-mean",
         description="how token losses reduce to one (token-mean = DAPO; seq-mean-token-sum-norm "
-        "= Dr.GRPO); gspo, sapo and geo_mean always use their own",
+        "= Dr.GRPO); sapo (seq-mean-token-mean) and geo_mean (seq-mean) always use their own",
     )
     loss_scale_factor: float | None = Field(
         None,
