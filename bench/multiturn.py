@@ -9,7 +9,9 @@ after a timeout). The same prompts (steps 1..N of the preset, SmolLM2, sampling)
 process, one after the other: multi-turn as the preset says, then single-turn with
 `max_new_tokens = max_turns x rollout.max_new_tokens` (the policy's token budget of a
 trajectory). Tokens/s counts the policy's sampled tokens per second of rollout wall time;
-observation tokens are prefilled, not sampled, and are reported beside them.
+observation tokens are prefilled, not sampled, and are reported beside them. With the `hf`
+prefix cache, the share of context tokens taken from it. To measure other code with this
+script: `PYTHONPATH=<its checkout> .venv/bin/python bench/multiturn.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def cpu_model() -> str:
 
 
 def measure(engine: Engine, steps: int) -> dict:
-    tokens = obs = turns = rows = 0
+    tokens = obs = turns = rows = looked_up = hits = 0
     wall = gen = env = 0.0
     for step in range(1, steps + 1):
         start = time.perf_counter()
@@ -47,6 +49,8 @@ def measure(engine: Engine, steps: int) -> dict:
         env += batch.meta.get("env_seconds", 0.0)
         turns += sum(batch["turns"]) if "turns" in batch else len(batch)
         rows += len(batch)
+        looked_up += batch.meta.get("prefix_lookup_tokens", 0)
+        hits += batch.meta.get("prefix_hit_tokens", 0)
     return {
         "policy_tokens": tokens,
         "observation_tokens": obs,
@@ -56,6 +60,9 @@ def measure(engine: Engine, steps: int) -> dict:
         "env_share": env / wall,
         "turns_per_sample": turns / rows,
         "samples": rows,
+        # context tokens taken from the prefix cache (None: the code has no prefix cache)
+        "prefix_cache_hit_rate": hits / looked_up if looked_up else None,
+        "peak_rss_gb": peak_rss_gb(),  # of the process so far
     }
 
 
@@ -125,7 +132,12 @@ def main() -> None:
             f"{r['turns_per_sample']:.2f} turns/sample; generate {100 * r['generate_share']:.0f}%, "
             f"environment {100 * r['env_share']:.2f}% of the wall time"
         )
-    print(f"  peak RSS {result['peak_rss_gb']:.2f} GB")
+    rate = multi["prefix_cache_hit_rate"]
+    print(
+        f"  prefix cache hit rate (multi-turn): {'none' if rate is None else f'{100 * rate:.1f}%'}"
+        f"; peak RSS after multi-turn {multi['peak_rss_gb']:.2f} GB, at the end "
+        f"{result['peak_rss_gb']:.2f} GB"
+    )
     t = result["tool_runner"]
     print(
         f"  tool runner: first call {1000 * t['first_call_s']:.0f} ms, then "

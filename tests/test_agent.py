@@ -55,6 +55,7 @@ def test_async_agent_two_calls_make_one_token_exact_sequence():
     m = batch.meta["metrics"]
     assert m["agent/episodes"] == 16 and m["agent/sequences"] == 16 and m["agent/splits"] == 0
     assert m["agent/calls/mean"] == 2 and m["agent/fault_rate"] == 0
+    reused = looked_up = 0  # the second call prefills only what follows the first's tokens
     for i, doc in log.saved.items():
         ep = Episode.from_json(doc)
         first, second = ep.calls
@@ -69,6 +70,9 @@ def test_async_agent_two_calls_make_one_token_exact_sequence():
         width = len(second.prompt_ids) + len(second.choices[0].ids) - len(first.prompt_ids)
         seen = batch["attention_mask"][j, -batch["response_mask"].shape[1] :]
         assert int(seen.sum()) == width  # the context between the calls is there, untrained
+        reused += len(first.prompt_ids) + len(sampled) - 1  # all but the last fed token
+        looked_up += len(first.prompt_ids) + len(second.prompt_ids)
+    assert reused / looked_up <= m["agent/prefix_cache_hit_rate"] < 1
     # the reward stage scores each episode's final answer (the agent returned None)
     scored = engine.reward(batch)
     assert scored["scores"].shape == (16,)

@@ -16,7 +16,11 @@ from hybrid_engine.rewards import token_level_scores
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.envs import make_environment
 from hybrid_engine.rollout.envs.tool_runner import ToolRunner
-from hybrid_engine.rollout.multiturn import multi_turn_rollout, multi_turn_scores
+from hybrid_engine.rollout.multiturn import (
+    multi_turn_metrics,
+    multi_turn_rollout,
+    multi_turn_scores,
+)
 
 PRESET = "configs/multiturn_tiny.yaml"
 
@@ -113,6 +117,25 @@ def test_batched_turns_equal_one_trajectory_at_a_time_under_greedy(engine, promp
         assert together["response_ids"][i, :n].tolist() == alone["response_ids"][0].tolist()
         assert together["response_mask"][i, :n].tolist() == alone["response_mask"][0].tolist()
         assert together["messages"][i] == alone["messages"][0]
+
+
+def test_prefix_cache_leaves_trajectories_and_log_probs_as_fresh_prefills(engine, prompts):
+    """Turns 2 and 3 prefill only their new tokens; sampled under one seed, the trajectories
+    are those of prefilling every turn's whole context, log-probs within 1e-5."""
+    cached, _ = rollout(engine, prompts)
+    kept, engine.actor.rollout.prefixes = engine.actor.rollout.prefixes, None
+    try:
+        fresh, _ = rollout(engine, prompts)
+    finally:
+        engine.actor.rollout.prefixes = kept
+    assert torch.equal(cached["response_ids"], fresh["response_ids"])
+    mask = cached["response_mask"].bool()
+    lp_cached, lp_fresh = cached["rollout_log_probs"], fresh["rollout_log_probs"]
+    assert (lp_cached - lp_fresh)[mask].abs().max() < 1e-5
+    rate = multi_turn_metrics(cached)["multi_turn/prefix_cache_hit_rate"]
+    assert 0.5 < rate < 1, rate  # turn 1 misses; later turns hit all but their new tokens
+    assert "multi_turn/prefix_cache_hit_rate" not in multi_turn_metrics(fresh)
+    assert len(kept) == 0  # the last turn kept nothing
 
 
 def test_same_seed_same_trajectories(engine, prompts):

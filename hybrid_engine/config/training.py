@@ -296,6 +296,13 @@ class RolloutConfig(Section):
         32, gt=0, description="longest response in tokens (multi-turn: per assistant turn)"
     )
     micro_batch_size: int = Field(64, gt=0, description="sequences decoded together")
+    prefix_cache_mb: int = Field(
+        1024,
+        ge=0,
+        description="hf backend: MB of keys and values kept between the turns of multi-turn "
+        "trajectories, so each turn prefills only its new tokens (least recently used evicted "
+        "first; dropped when the weights change); 0 = prefill every turn's whole context",
+    )
     val: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)

@@ -37,22 +37,18 @@ class RolloutReplica:
         if cfg.actor.lora.rank:  # the trainer's state dict holds the adapters beside the base
             add_lora(self.policy, lora_config(cfg.actor.lora), cfg.trainer.seed)
         self.policy.requires_grad_(False)
-        self.rollout = HFRollout(
-            self.policy,
-            tokenizer.pad_token_id,
-            tokenizer.eos_token_id,
-            cfg.rollout.micro_batch_size,
-        )
+        self.rollout = HFRollout.build(cfg, self.policy, tokenizer)
         self.weights_version = -1  # none received yet: the first rollout loads version 0 too
 
     def configure(self, cfg: HybridConfig) -> None:
         self.cfg = cfg
-        self.rollout.micro_batch_size = cfg.rollout.micro_batch_size
+        self.rollout.configure(cfg)
 
     @torch.no_grad()
     def receive(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Load the trainer's full weights of `version` in place; returns the seconds."""
         start = time.perf_counter()
+        self.rollout.drop_prefixes()
         missing, unexpected = self.policy.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
             raise RuntimeError(

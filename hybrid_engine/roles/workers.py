@@ -127,7 +127,7 @@ class ActorRolloutRef:
         """A run's settings that leave models and optimizer as they are."""
         self.cfg = cfg
         if isinstance(self.rollout, HFRollout):
-            self.rollout.micro_batch_size = cfg.rollout.micro_batch_size
+            self.rollout.configure(cfg)
 
     # ------------------------------------------------------------------ rollout
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
@@ -177,7 +177,13 @@ class ActorRolloutRef:
             raise RuntimeError("no reference model: set actor.use_kl_loss or use_kl_in_reward")
         return self._log_probs(self.ref, batch, "ref_log_prob", entropy=False)
 
+    def _end_rollout(self) -> None:
+        """The training side takes the model: the rollout's prefix cache is freed."""
+        if isinstance(self.rollout, HFRollout):
+            self.rollout.drop_prefixes()
+
     def _log_probs(self, model: nn.Module, batch: Batch, key: str, entropy: bool) -> Batch:
+        self._end_rollout()
         temp = self.cfg.rollout.temperature or 1.0
 
         def fn(mb: Batch) -> dict[str, torch.Tensor]:
@@ -195,6 +201,7 @@ class ActorRolloutRef:
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """Policy update with the registered loss `actor.policy_loss.mode` (+ entropy bonus,
         + KL loss to the reference), each term reduced by its own aggregation."""
+        self._end_rollout()
         a = self.cfg.actor
         temp = self.cfg.rollout.temperature or 1.0
         if a.use_kl_loss and "ref_log_prob" not in batch:
@@ -290,6 +297,7 @@ class ActorRolloutRef:
     ) -> int:
         """Restore what `save` wrote (checked against `expected` sha256 sums when given);
         returns the restored weights version."""
+        self._end_rollout()
         extra = load_state(
             url,
             self.policy,

@@ -27,6 +27,12 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     log_probs: bool = False  # also return each sampled token's log-prob (rollout correction)
+    # `hf` prefix cache (`rollout.prefix_cache_mb`): the caller sends continuations of these
+    # sequences next (the next turn), keep their keys and values; this call continues the
+    # calls before it, use what they kept (else it is dropped first: a rollout's values
+    # never depend on what ran before it in the process)
+    keep_prefixes: bool = False
+    reuse_prefixes: bool = False
 
     @property
     def greedy(self) -> bool:

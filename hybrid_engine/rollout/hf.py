@@ -30,6 +30,13 @@ from hybrid_engine.rollout.base import (
     response_mask_from_ids,
     with_responses,
 )
+from hybrid_engine.rollout.prefix_cache import (
+    PrefixCache,
+    fill_past,
+    gapped_layout,
+    prefix_cache_for,
+    row_kv,
+)
 
 
 def logits_warpers(sampling: SamplingParams) -> LogitsProcessorList:
@@ -104,6 +111,8 @@ def decode(
     on_step: Callable[[int], None] | None = None,
     log_probs_out: list[torch.Tensor] | None = None,
     row_seeds: list[int] | None = None,
+    prefixes: PrefixCache | None = None,
+    keep: bool = False,
 ) -> torch.Tensor:
     """(rows, steps) response tokens for left-padded prompts, pad after each row's EOS.
 
@@ -118,27 +127,41 @@ def decode(
     `log_probs_out`, if given, receives per step the (rows,) log-probs of the sampled tokens
     under softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p: the
     distribution the training side computes its log-probs from. `row_seeds`: each row samples
-    from its own generator (the agent endpoint's calls, batched as they come)."""
-    rows, width = prompt_ids.shape
+    from its own generator (the agent endpoint's calls, batched as they come). `prefixes`: a
+    row starting with a stored sequence prefills only the rest (`prefix_cache`); with `keep`
+    each row's context and response are stored there after the decode."""
+    rows = len(prompt_ids)
     steps = sampling.max_new_tokens
-    cache = StaticCache(config=model.config, max_cache_len=width + steps)
     first = ~repeats_previous_row(prompt_ids, prompt_mask)  # the row starts a new prompt
     distinct = first.nonzero().squeeze(-1)
-    mask = prompt_mask[distinct]
+    ids, mask = prompt_ids[distinct], prompt_mask[distinct]
+    real, matches = [], []
+    if prefixes is not None:
+        real = [r[m.bool()] for r, m in zip(ids.cpu(), mask.cpu(), strict=True)]
+        matches = [prefixes.match(r) for r in real]
+    past = [n for _, n in matches]
+    width_past = 0
+    if any(past):  # [past | new tokens | decode]: only the new tokens are prefilled
+        ids, mask, width_past = gapped_layout(real, past, pad_token_id)
+        ids, mask = ids.to(prompt_ids.device), mask.to(prompt_ids.device)
+    width = mask.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=width + steps)
+    if width_past:
+        fill_past(cache, [e for e, _ in matches], past, width_past, ids.device)
     logits = model(
-        input_ids=prompt_ids[distinct],
+        input_ids=ids,
         attention_mask=mask,
         cache=cache,
-        position_ids=position_ids_from_mask(mask),
+        position_ids=position_ids_from_mask(mask)[:, width_past:],
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
+    prompt_of = first.long().cumsum(0) - 1  # row i <- its prompt's row
     if len(distinct) < rows:
-        prompt_of = first.long().cumsum(0) - 1  # row i <- its prompt's row
         cache.reorder_cache(prompt_of)
         logits = logits[prompt_of]
     warpers = logits_warpers(sampling)
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, steps)], 1)
+    mask = torch.cat([mask[prompt_of], mask.new_ones(rows, steps)], 1)
     position = prompt_mask.sum(-1, keepdim=True)  # of the first response token
     out = torch.full((rows, steps), pad_token_id, dtype=prompt_ids.dtype, device=prompt_ids.device)
     done = torch.zeros(rows, dtype=torch.bool, device=prompt_ids.device)
@@ -155,6 +178,9 @@ def decode(
             on_step(int((~done).sum()))
         done |= token == eos_token_id
         if t == steps - 1 or bool(done.all()):
+            if keep and prefixes is not None:
+                contexts = [real[j] for j in prompt_of.tolist()]
+                store(prefixes, cache, contexts, out[:, :t], mask, eos_token_id)
             return out[:, : t + 1]
         logits = model(
             input_ids=token[:, None],
@@ -167,6 +193,24 @@ def decode(
     return out
 
 
+def store(
+    prefixes: PrefixCache,
+    cache: StaticCache,
+    contexts: list[torch.Tensor],
+    fed: torch.Tensor,
+    mask: torch.Tensor,
+    eos_token_id: int,
+) -> None:
+    """Each row's context and the response tokens fed back so far (`fed`, up to its EOS)
+    into `prefixes`, with their keys and values from the decode's cache."""
+    lengths = response_mask_from_ids(fed, eos_token_id).sum(-1).tolist() if fed.shape[1] else []
+    for i, context in enumerate(contexts):
+        n = lengths[i] if lengths else 0
+        tokens = torch.cat([context, fed[i, :n].cpu()])
+        slots = mask[i].nonzero().squeeze(-1)[: len(tokens)]
+        prefixes.put(tokens, row_kv(cache, i, slots).cpu())
+
+
 @ROLLOUT_BACKENDS.register("hf", in_place=True, tensor_parallel=False, separate_group=True)
 class HFRollout:
     """Batched sampling with `decode` on the policy module (transformers, CPU or GPU)."""
@@ -174,18 +218,35 @@ class HFRollout:
     @classmethod
     def build(cls, cfg: HybridConfig, module: PreTrainedModel, tokenizer: Any) -> HFRollout:
         """The backend of `rollout.name: hf`, on the rollout-layout module."""
-        return cls(
-            module, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.rollout.micro_batch_size
-        )
+        r = cfg.rollout
+        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+        return cls(module, pad, eos, r.micro_batch_size, r.prefix_cache_mb)
 
     def __init__(
-        self, model: PreTrainedModel, pad_token_id: int, eos_token_id: int, micro_batch_size: int
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        eos_token_id: int,
+        micro_batch_size: int,
+        prefix_cache_mb: int = 0,
     ) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.micro_batch_size = micro_batch_size
+        self.prefixes = prefix_cache_for(model, prefix_cache_mb)
         self.tokens_so_far, self.started = 0, None  # live progress of the current generate
+
+    def configure(self, cfg: HybridConfig) -> None:
+        """A run's rollout settings on an existing backend (a reused pool)."""
+        self.micro_batch_size = cfg.rollout.micro_batch_size
+        self.prefixes = prefix_cache_for(self.model, cfg.rollout.prefix_cache_mb)
+
+    def drop_prefixes(self) -> None:
+        """Free the prefix cache: the rollout stage is over (the weights are about to be used,
+        or changed, by something else)."""
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     def _count(self, tokens: int) -> None:
         self.tokens_so_far += tokens
@@ -205,6 +266,14 @@ class HFRollout:
         # Each chunk is seeded by its first row's global index, so the samples do not depend
         # on how the batch was split across replicas (`row_offset` = this part's first row).
         offset = int(batch.meta.get("row_offset", 0))
+        prefixes = self.prefixes
+        if prefixes is not None:
+            prefixes.check_weights(self.model)
+            if not sampling.reuse_prefixes:
+                prefixes.clear()
+            if not sampling.keep_prefixes and not len(prefixes):
+                prefixes = None
+        looked_up, reused = (0, 0) if prefixes is None else (prefixes.looked_up, prefixes.reused)
         start = time.perf_counter()
         self.tokens_so_far, self.started = 0, start
         try:
@@ -226,6 +295,8 @@ class HFRollout:
                     on_step=self._count,
                     log_probs_out=steps,
                     row_seeds=seeds,
+                    prefixes=prefixes,
+                    keep=sampling.keep_prefixes,
                 )
                 chunks.append(out.cpu())
                 if steps is not None:
@@ -233,6 +304,8 @@ class HFRollout:
         finally:
             self.started = None
             self.model.train(was_training)
+            if prefixes is not None and not sampling.keep_prefixes:
+                prefixes.clear()  # no continuation follows: free the memory now
         seconds = time.perf_counter() - start
 
         length = max(c.shape[1] for c in chunks)
@@ -246,4 +319,9 @@ class HFRollout:
         out = with_responses(batch, response_ids, response_mask, **extra)
         tokens = int(response_mask.sum())
         out.meta.update(gen_tokens=tokens, gen_seconds=seconds, gen_tokens_per_s=tokens / seconds)
+        if prefixes is not None:  # context tokens looked up, and those taken from the cache
+            out.meta.update(
+                prefix_lookup_tokens=prefixes.looked_up - looked_up,
+                prefix_hit_tokens=prefixes.reused - reused,
+            )
         return out

@@ -10,8 +10,8 @@ generation prompt included), then assistant tokens (exactly as sampled) interlea
 observation tokens (the template's text between the end of the assistant's message and the
 start of the next one: `observation_ids`). `response_mask` is 1 on the policy's tokens and 0
 on observation tokens; `attention_mask` is 1 on both, so log-probs see the whole context and
-losses count only what the policy wrote. Each turn is a fresh prefill of its whole context
-(no cache is kept between turns). Everything is a function of the rows, the seeds and the
+losses count only what the policy wrote. With the `hf` backend's prefix cache
+(`rollout.prefix_cache_mb`) a turn prefills only the tokens added since the last one. Everything is a function of the rows, the seeds and the
 weights: the same call gives the same trajectories.
 """
 
@@ -141,6 +141,7 @@ def multi_turn_rollout(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     closing = encode(tokenizer, turn_closing(tokenizer))
     gen_s, turn_rows = 0.0, []
+    prefix = dict.fromkeys(("prefix_lookup_tokens", "prefix_hit_tokens"), 0)
     for turn in range(1, max_turns + 1):
         active = [t for t in trajs if t.open]
         if not active:
@@ -152,9 +153,13 @@ def multi_turn_rollout(
             sampling,
             max_new_tokens=min(sampling.max_new_tokens, max(budgets)),
             seed=sampling.seed + (turn - 1) * TURN_SEED_STRIDE,
+            keep_prefixes=turn < max_turns,  # the next turn starts with these tokens
+            reuse_prefixes=turn > 1,
         )
         out = generate(Batch(ctx), turn_sampling)
         gen_s += out.meta["gen_seconds"]
+        for key in prefix:
+            prefix[key] += out.meta.get(key, 0)
         lps = out.tensors.get("rollout_log_probs")
         for j, (t, budget) in enumerate(zip(active, budgets, strict=True)):
             n = min(int(out["response_mask"][j].sum()), budget)
@@ -201,7 +206,9 @@ def multi_turn_rollout(
     for t in trajs:
         if callable(close := getattr(t.env, "close", None)):
             close()
-    return trajectories_batch(prompts, trajs, pad, sampling.log_probs, gen_s, env_s, turn_rows)
+    batch = trajectories_batch(prompts, trajs, pad, sampling.log_probs, gen_s, env_s, turn_rows)
+    batch.meta.update(prefix)
+    return batch
 
 
 def env_rollout(
@@ -316,6 +323,8 @@ def multi_turn_metrics(
     }
     if known:
         out[f"{prefix}success_rate"] = sum(known) / len(known)
+    if looked_up := batch.meta.get("prefix_lookup_tokens"):  # context tokens not prefilled
+        out[f"{prefix}prefix_cache_hit_rate"] = batch.meta["prefix_hit_tokens"] / looked_up
     for reason in stops:
         out[f"{prefix}stop/{reason}"] = batch["stop"].count(reason) / n
     return out

@@ -129,6 +129,7 @@ def agent_rollout(
     for i in done_before:
         hub.status[i] = "done"
     gen_s, saved = 0.0, len(done_before)
+    prefix = dict.fromkeys(("calls", "prefix_lookup_tokens", "prefix_hit_tokens"), 0)
     # one HTTP connection pool for all the episodes' clients (an openai client of its own
     # builds an SSL context: ~50 ms each)
     limits = httpx.Limits(max_connections=4 * agent.max_concurrency)
@@ -178,7 +179,7 @@ def agent_rollout(
         overdue_s = agent.timeout_s + OVERDUE_GRACE_S
         while (batch := hub.take_batch(admit, overdue_s, overdue)) is not None:
             start = time.perf_counter()
-            answers = generate_calls(generate, tokenizer, batch, sampling)
+            answers = generate_calls(generate, tokenizer, batch, sampling, prefix)
             gen_s += time.perf_counter() - start
             hub.answer(batch, answers)
             saved = _save_finished(hub, episodes, done_before, saved, episode_log, on_episode)
@@ -201,6 +202,9 @@ def agent_rollout(
         prompts, episodes, tokenizer, agent.on_fault, sampling.log_probs, gen_s
     )
     batch.meta["agent_metrics"] = metrics | {"agent/resumed": float(len(resumed))}
+    if prefix["prefix_lookup_tokens"]:  # the calls' context tokens taken from the prefix cache
+        rate = prefix["prefix_hit_tokens"] / prefix["prefix_lookup_tokens"]
+        batch.meta["agent_metrics"]["agent/prefix_cache_hit_rate"] = rate
     return batch
 
 
@@ -226,10 +230,15 @@ def _save_finished(
 
 
 def generate_calls(
-    generate: Generate, tokenizer: Any, batch: list[Pending], sampling: SamplingParams
+    generate: Generate,
+    tokenizer: Any,
+    batch: list[Pending],
+    sampling: SamplingParams,
+    prefix: dict[str, int] | None = None,
 ) -> list[tuple[int, dict]]:
     """(HTTP status, body) per call: its choices generated in one backend call per distinct
-    (temperature, top_p), each choice with its own seed."""
+    (temperature, top_p), each choice with its own seed. `prefix` counts the backend calls of
+    the rollout and adds up their prefix-cache counts."""
     groups: dict[tuple[float, float], list[int]] = {}
     for j, p in enumerate(batch):
         t = sampling.temperature if p.req.temperature is None else p.req.temperature
@@ -253,7 +262,16 @@ def generate_calls(
             }
         )
         params = replace(sampling, max_new_tokens=max(limits), temperature=t, top_p=top_p)
-        out = generate(inputs, replace(params, log_probs=True))
+        # the episode's next call starts with this context: keep it (freed when training
+        # starts); the rollout's first call starts from an empty cache
+        reuse = prefix is not None and prefix["calls"] > 0
+        out = generate(
+            inputs, replace(params, log_probs=True, keep_prefixes=True, reuse_prefixes=reuse)
+        )
+        if prefix is not None:
+            prefix["calls"] += 1
+            for key in ("prefix_lookup_tokens", "prefix_hit_tokens"):
+                prefix[key] += out.meta.get(key, 0)
         for r, j in enumerate(owners):
             n = min(int(out["response_mask"][r].sum()), limits[r])
             ids = out["response_ids"][r, :n].tolist()
