@@ -47,8 +47,18 @@ def test_agg_loss_verl09_modes():
         agg_loss(loss, mask, "bogus")
 
 
+def gspo_three_sequences(mode: str, scale: float | None = None):
+    """GSPO on three sequences (clip band [0.8, 1.28]) under aggregation `mode`."""
+    old = torch.zeros(3, 3)
+    d = T([[0.1, 0.3, 0.0], [0.5, 0.5, 9.0], [0.4, 0.4, 0.4]])
+    adv = T([[1.0] * 3, [-1.0] * 3, [1.0] * 3])
+    mask = T([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
+    kw = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_scale_factor": scale}
+    return run("gspo", old, d, adv, mask, loss_agg_mode=mode, **kw)
+
+
 def test_gspo_sequence_ratio_value_and_stop_gradient():
-    # clip band [0.8, 1.28]; s_i = exp(mean_t d) per sequence
+    # s_i = exp(mean_t d) per sequence
     # seq 1: A = +1, d = [0.1, 0.3]      s = e^0.2 = 1.2214028 inside the band: loss -1.2214028
     # seq 2: A = -1, d = [0.5, 0.5] (+ a padding 9.0 that must not count)
     #        s = e^0.5 = 1.6487213; max(1.6487, 1.28) is the unclipped one: loss +1.6487213
@@ -57,20 +67,7 @@ def test_gspo_sequence_ratio_value_and_stop_gradient():
     # gradient: s_it = sg[s_i] * exp(logp_t - sg[logp_t]), so ds_it/dlogp_t = s_i (the sequence's
     # ratio, equal for every token, not the token's own ratio e^d_t):
     #   seq 1: -s_1 / (3 seqs * 2 tokens) = -0.2035671;  seq 2: +s_2 / 6 = 0.2747869;  seq 3: 0
-    old = torch.zeros(3, 3)
-    d = T([[0.1, 0.3, 0.0], [0.5, 0.5, 9.0], [0.4, 0.4, 0.4]])
-    adv = T([[1.0] * 3, [-1.0] * 3, [1.0] * 3])
-    mask = T([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
-    (loss, clipfrac, ppo_kl, lower), grad = run(
-        "gspo",
-        old,
-        d,
-        adv,
-        mask,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        loss_agg_mode="seq-mean-token-mean",
-    )
+    (loss, clipfrac, ppo_kl, lower), grad = gspo_three_sequences("seq-mean-token-mean")
     close(loss, -0.2842272)
     close(grad, [[-0.2035671] * 2 + [0.0], [0.2747869] * 2 + [0.0], [0.0] * 3])
     close(clipfrac, 3 / 7)  # seq 3's three tokens
@@ -95,21 +92,7 @@ VERL_091_GSPO = {
 
 @pytest.mark.parametrize(("mode", "scale"), list(VERL_091_GSPO))
 def test_gspo_honours_every_aggregation_mode_as_verl_091(mode, scale):
-    old = torch.zeros(3, 3)
-    d = T([[0.1, 0.3, 0.0], [0.5, 0.5, 9.0], [0.4, 0.4, 0.4]])
-    adv = T([[1.0] * 3, [-1.0] * 3, [1.0] * 3])
-    mask = T([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
-    (loss, clipfrac, ppo_kl, _), grad = run(
-        "gspo",
-        old,
-        d,
-        adv,
-        mask,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        loss_agg_mode=mode,
-        loss_scale_factor=scale,
-    )
+    (loss, clipfrac, ppo_kl, _), grad = gspo_three_sequences(mode, scale)
     value, g1, g2 = VERL_091_GSPO[mode, scale]
     close(loss, value)
     close(grad, [[g1, g1, 0.0], [g2, g2, 0.0], [0.0] * 3])
