@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from hybrid_engine.batch import Batch
+from hybrid_engine.rollout.base import PREFIX_COUNTS
 
 
 def split_rows(batch: Batch, ranks: int) -> tuple[list[Batch], int]:
@@ -89,12 +90,16 @@ def gather_rows(parts: list[Batch], pad: int, pad_token_id: int) -> Batch:
 
 
 def merge_meta(metas: list[dict]) -> dict:
-    """Rank 0's meta, with token counts summed and timings taken from the slowest rank."""
+    """Rank 0's meta, with token counts (and prefix-cache counts) summed and timings taken
+    from the slowest rank."""
     out = dict(metas[0])
     if all("gen_tokens" in m for m in metas):
         out["gen_tokens"] = sum(m["gen_tokens"] for m in metas)
         out["gen_seconds"] = max(m["gen_seconds"] for m in metas)
         out["gen_tokens_per_s"] = out["gen_tokens"] / max(out["gen_seconds"], 1e-9)
+    for key in PREFIX_COUNTS:
+        if all(key in m for m in metas):
+            out[key] = sum(m[key] for m in metas)
     if all("reshard_s" in m for m in metas):
         out["reshard_s"] = max(m["reshard_s"] for m in metas)
     return out

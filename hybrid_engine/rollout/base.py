@@ -39,6 +39,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# what a generate call with the prefix cache reports in its meta: context tokens looked up,
+# and those taken from the cache
+PREFIX_COUNTS = ("prefix_lookup_tokens", "prefix_hit_tokens")
+
+
 def pad_right(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
     """Pad the last dimension of a 2-D tensor on the right to `length`."""
     return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)

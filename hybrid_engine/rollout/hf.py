@@ -25,6 +25,7 @@ from hybrid_engine.config import HybridConfig
 from hybrid_engine.models.logprobs import position_ids_from_mask, repeats_previous_row
 from hybrid_engine.registry import ROLLOUT_BACKENDS
 from hybrid_engine.rollout.base import (
+    PREFIX_COUNTS,
     SamplingParams,
     pad_right,
     response_mask_from_ids,
@@ -203,9 +204,8 @@ def store(
 ) -> None:
     """Each row's context and the response tokens fed back so far (`fed`, up to its EOS)
     into `prefixes`, with their keys and values from the decode's cache."""
-    lengths = response_mask_from_ids(fed, eos_token_id).sum(-1).tolist() if fed.shape[1] else []
-    for i, context in enumerate(contexts):
-        n = lengths[i] if lengths else 0
+    lengths = response_mask_from_ids(fed, eos_token_id).sum(-1).tolist()
+    for i, (context, n) in enumerate(zip(contexts, lengths, strict=True)):
         tokens = torch.cat([context, fed[i, :n].cpu()])
         slots = mask[i].nonzero().squeeze(-1)[: len(tokens)]
         prefixes.put(tokens, row_kv(cache, i, slots).cpu())
@@ -273,7 +273,8 @@ class HFRollout:
                 prefixes.clear()
             if not sampling.keep_prefixes and not len(prefixes):
                 prefixes = None
-        looked_up, reused = (0, 0) if prefixes is None else (prefixes.looked_up, prefixes.reused)
+            else:
+                prefixes.looked_up = prefixes.reused = 0  # this call's counts
         start = time.perf_counter()
         self.tokens_so_far, self.started = 0, start
         try:
@@ -319,9 +320,6 @@ class HFRollout:
         out = with_responses(batch, response_ids, response_mask, **extra)
         tokens = int(response_mask.sum())
         out.meta.update(gen_tokens=tokens, gen_seconds=seconds, gen_tokens_per_s=tokens / seconds)
-        if prefixes is not None:  # context tokens looked up, and those taken from the cache
-            out.meta.update(
-                prefix_lookup_tokens=prefixes.looked_up - looked_up,
-                prefix_hit_tokens=prefixes.reused - reused,
-            )
+        if prefixes is not None:
+            out.meta.update(zip(PREFIX_COUNTS, (prefixes.looked_up, prefixes.reused), strict=True))
         return out

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.rewards import token_level_scores
-from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.base import PREFIX_COUNTS, SamplingParams
 from hybrid_engine.rollout.envs import Environment, Messages, make_environment
 
 Generate = Callable[[Batch, SamplingParams], Batch]
@@ -141,7 +141,7 @@ def multi_turn_rollout(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     closing = encode(tokenizer, turn_closing(tokenizer))
     gen_s, turn_rows = 0.0, []
-    prefix = dict.fromkeys(("prefix_lookup_tokens", "prefix_hit_tokens"), 0)
+    prefix = dict.fromkeys(PREFIX_COUNTS, 0)
     for turn in range(1, max_turns + 1):
         active = [t for t in trajs if t.open]
         if not active:

@@ -33,7 +33,7 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.rollout.agent.chat import completion_response, parse_completion
 from hybrid_engine.rollout.agent.endpoint import Hub, Pending, Server, call_seed, make_app
 from hybrid_engine.rollout.agent.episodes import Choice, Episode, episodes_batch, prompt_for
-from hybrid_engine.rollout.base import SamplingParams
+from hybrid_engine.rollout.base import PREFIX_COUNTS, SamplingParams
 from hybrid_engine.rollout.multiturn import encode, left_padded, turn_closing
 from hybrid_engine.specs import load_spec
 
@@ -129,7 +129,7 @@ def agent_rollout(
     for i in done_before:
         hub.status[i] = "done"
     gen_s, saved = 0.0, len(done_before)
-    prefix = dict.fromkeys(("calls", "prefix_lookup_tokens", "prefix_hit_tokens"), 0)
+    prefix = dict.fromkeys(("calls", *PREFIX_COUNTS), 0)
     # one HTTP connection pool for all the episodes' clients (an openai client of its own
     # builds an SSL context: ~50 ms each)
     limits = httpx.Limits(max_connections=4 * agent.max_concurrency)
@@ -202,9 +202,7 @@ def agent_rollout(
         prompts, episodes, tokenizer, agent.on_fault, sampling.log_probs, gen_s
     )
     batch.meta["agent_metrics"] = metrics | {"agent/resumed": float(len(resumed))}
-    if prefix["prefix_lookup_tokens"]:  # the calls' context tokens taken from the prefix cache
-        rate = prefix["prefix_hit_tokens"] / prefix["prefix_lookup_tokens"]
-        batch.meta["agent_metrics"]["agent/prefix_cache_hit_rate"] = rate
+    batch.meta.update({k: prefix[k] for k in PREFIX_COUNTS})  # read by multi_turn_metrics
     return batch
 
 
@@ -270,7 +268,7 @@ def generate_calls(
         )
         if prefix is not None:
             prefix["calls"] += 1
-            for key in ("prefix_lookup_tokens", "prefix_hit_tokens"):
+            for key in PREFIX_COUNTS:
                 prefix[key] += out.meta.get(key, 0)
         for r, j in enumerate(owners):
             n = min(int(out["response_mask"][r].sum()), limits[r])
