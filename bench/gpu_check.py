@@ -91,7 +91,7 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     batch = prompt_batch(arithmetic_rows(3), tokenizer, 256).repeat_interleave(4)
     ids, mask = batch["prompt_ids"].to(DEVICE), batch["prompt_mask"].to(DEVICE)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    ours = decode(model, ids, mask, SamplingParams(12, temperature=0.0), eos, pad)
+    ours, _ = decode(model, ids, mask, SamplingParams(12, temperature=0.0), eos, pad)
     ref = model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=pad
     )[:, ids.shape[1] :]
@@ -100,7 +100,7 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     out["decode_greedy_equals_generate"] = bool(torch.equal(ours, ref))
 
     torch.manual_seed(0)
-    sampled = decode(model, ids, mask, SamplingParams(12, temperature=1.0), eos, pad)
+    sampled, _ = decode(model, ids, mask, SamplingParams(12, temperature=1.0), eos, pad)
     out["decode_sampled_tokens_in_vocab"] = bool(
         (sampled >= 0).all() and (sampled < model.config.vocab_size).all()
     )

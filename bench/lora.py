@@ -1,5 +1,6 @@
-"""LoRA against full fine-tuning on the same batch: peak RSS, step time, checkpoint size and
-optimizer state, each variant in a process of its own (the demo preset, SmolLM2-135M).
+"""LoRA against full fine-tuning on the same batch: peak RSS, step time, checkpoint size,
+optimizer state and what an asynchronous run publishes to its rollout replicas per weights
+version, each variant in a process of its own (the demo preset, SmolLM2-135M).
 
 .venv/bin/python bench/lora.py [--steps 4] [overrides...]
 
@@ -12,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 VARIANTS = {
@@ -45,10 +48,14 @@ def one(steps: int, overrides: list[str]) -> dict:
             t.numel() for t in load_file(os.path.join(d, "optim.safetensors")).values()
         )
     info = engine.actor.info()
+    peak = peak_rss_gb()  # before the publish round trips below hold a second copy
+    published, publish_s = publish_round_trip(engine.actor)
     return {
         "median_step_s": statistics.median(times[1:] or times),
         "step_s": times,
-        "peak_rss_gb": peak_rss_gb(),
+        "peak_rss_gb": peak,
+        "published_mb": published / 2**20,
+        "publish_s": publish_s,
         "checkpoint_mb": sum(sizes.values()) / 2**20,
         "weights_file_mb": sizes["model.safetensors"] / 2**20,
         "optimizer_state_mb": sizes["optim.safetensors"] / 2**20,
@@ -57,6 +64,19 @@ def one(steps: int, overrides: list[str]) -> dict:
         "params": info["local_params"],
         "reference_copy": engine.actor.ref is not None,
     }
+
+
+def publish_round_trip(actor) -> tuple[int, float]:
+    """Bytes of what `publish` sends a replica per version (`replica_state_dict`), and the
+    median seconds to gather and serialise it, then deserialise and load it in place (what
+    Ray's object store and `RolloutReplica.receive` do, here in one process)."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        blob = pickle.dumps(actor.replica_state_dict())
+        actor.policy.load_state_dict(pickle.loads(blob), strict=False)
+        times.append(time.perf_counter() - start)
+    return len(blob), statistics.median(times)
 
 
 def main() -> None:
@@ -93,6 +113,8 @@ def main() -> None:
         "checkpoint_mb",
         "weights_file_mb",
         "optimizer_state_mb",
+        "published_mb",
+        "publish_s",
         "reference_copy",
     ]
     print("\n| | " + " | ".join(results) + " |\n|---|" + "---|" * len(results))

@@ -10,6 +10,12 @@ C ...). "step" = rollout -> reward -> advantage -> update as the driver sees it 
 and checkpoints excluded, as in the loop). Per variant: median wall seconds per step, the
 engine's own generation and actor-update seconds inside it, and the rest ("other": reward,
 advantage, and for the flows Prefect task calls + storage reads/writes/commits).
+
+The breakdown per step times the calls themselves in each child: the engine's four stage
+calls ("engine"), the run store's stage loads and commits ("storage"), and after the step the
+flow's step log (MLflow and the console line: "tracking"); "prefect" is the rest of the flow's
+step wall (task submission, state API calls, result handling). Orchestration share = (storage
++ prefect + tracking) / (step wall + tracking).
 """
 
 from __future__ import annotations
@@ -24,6 +30,50 @@ import tempfile
 import time
 
 VARIANTS = ("loop", "flow-local", "flow-ray")
+STAGES = ("rollout", "reward", "advantage", "update")
+
+
+class Spent:
+    """Seconds per step spent in named calls, by kind (wraps the methods in this process)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.by_step: dict[int, dict[str, float]] = {}
+
+    def wrap(self, owner: type, name: str, kind: str, stage_arg: bool = False) -> None:
+        fn = getattr(owner, name)
+
+        def timed(obj, *args, **kwargs):
+            if name == "rollout" or stage_arg:
+                self.step = args[0]  # rollout(step, ...), load/commit_stage(step, stage, ...)
+            if stage_arg and args[1] not in STAGES:  # validation, checkpoints: not a step's
+                return fn(obj, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(obj, *args, **kwargs)
+            finally:
+                spent = self.by_step.setdefault(self.step, {})
+                spent[kind] = spent.get(kind, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def instrument() -> Spent:
+    """Time the engine's stage calls, the store's stage I/O and the flow's step log."""
+    from hybrid_engine.engine import Engine
+
+    spent = Spent()
+    for name in STAGES:
+        spent.wrap(Engine, name, "engine")
+    try:
+        from flows.tracking import StepLog
+        from storage.store import RunStore
+    except ImportError:  # an older checkout measured through PYTHONPATH
+        return spent
+    spent.wrap(RunStore, "load_stage", "storage", stage_arg=True)
+    spent.wrap(RunStore, "commit_stage", "storage", stage_arg=True)
+    spent.wrap(StepLog, "step", "tracking")
+    return spent
 
 
 def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> dict:
@@ -35,6 +85,7 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
         *overrides,
     ]
     began = time.perf_counter()
+    spent = instrument()
     if variant == "loop":
         from hybrid_engine.config import load_config
         from hybrid_engine.engine import Engine
@@ -42,7 +93,8 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
         engine = Engine(load_config(config, common))
         metrics = {s: engine.step(s) for s in range(1, steps + 1)}
         walls = {s: m["timing_s/step"] for s, m in metrics.items()}
-        return {"step_s": walls, "metrics": metrics, "total_s": time.perf_counter() - began}
+        total = time.perf_counter() - began
+        return {"step_s": walls, "metrics": metrics, "total_s": total, "spent": spent.by_step}
     from hybrid_engine.roles.workers import reuse_freed_memory
 
     reuse_freed_memory()  # as `hybridrl train` does before Prefect starts its threads
@@ -65,7 +117,7 @@ def run_variant(variant: str, config: str, steps: int, overrides: list[str]) -> 
         rows = history(RunStore(StorageConfig(root=root), "bench"), steps)
     metrics = {r["step"]: r for r in rows if r["step"] > 0}
     walls = {int(k): v for k, v in result["step_wall_s"].items()}
-    return {"step_s": walls, "metrics": metrics, "total_s": total}
+    return {"step_s": walls, "metrics": metrics, "total_s": total, "spent": spent.by_step}
 
 
 def main() -> None:
@@ -134,6 +186,25 @@ def main() -> None:
             f"{v:>10} {med(v, 'wall'):8.2f} {med(v, 'gen'):7.2f} {med(v, 'update'):9.2f} "
             f"{med(v, 'other'):8.3f} {rel:>8}"
         )
+    breakdown(results)
+
+
+def breakdown(results: dict[str, list[dict]]) -> None:
+    """Per step, medians: where the step wall goes, and the orchestration share."""
+    kinds = ("engine", "storage", "prefect", "tracking")
+    print(f"\n{'variant':>10} " + " ".join(f"{k + ' s':>10}" for k in kinds) + "  orchestration")
+    for v, runs in results.items():
+        rows = []
+        for r in runs:
+            for s, wall in r["step_s"].items():
+                spent = r.get("spent", {}).get(s, {})
+                engine, storage = spent.get("engine", 0.0), spent.get("storage", 0.0)
+                tracking = spent.get("tracking", 0.0)
+                prefect = 0.0 if v == "loop" else wall - engine - storage
+                share = (storage + prefect + tracking) / (wall + tracking)
+                rows.append((engine, storage, prefect, tracking, share))
+        cols = [statistics.median(c) for c in zip(*rows, strict=True)]
+        print(f"{v:>10} " + " ".join(f"{c:10.3f}" for c in cols[:4]) + f"  {100 * cols[4]:.1f}%")
 
 
 if __name__ == "__main__":

@@ -76,8 +76,8 @@ def test_the_schedule_fixes_each_rollouts_weights_version_and_bounds_staleness()
     "extra", [[], ["actor.lora.rank=4", "actor.lora.alpha=8"]], ids=["full", "lora"]
 )
 def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
-    """After one update (version 1) the trainer's full state dict goes into a fresh replica:
-    the same tokens and sampling log-probs as the trainer's own rollout; before, not."""
+    """After one update (version 1) the weights `publish` sends (full, or LoRA's adapters)
+    go into a fresh replica: the same tokens and sampling log-probs as the trainer's own rollout; before, not."""
     from test_engine import SIGNAL
 
     from hybrid_engine.data import prompt_batch
@@ -94,7 +94,12 @@ def test_a_replica_fed_the_trainers_weights_samples_the_trainers_tokens(extra):
     replica = RolloutReplica(cfg, engine.tokenizer)
     fresh = replica.generate(prompts, sampling)
     assert not torch.equal(fresh["rollout_log_probs"], want["rollout_log_probs"])
-    assert replica.receive(engine.actor.full_state_dict(), 1) >= 0
+    published = engine.actor.replica_state_dict()  # what `publish` sends
+    if extra:  # LoRA: the adapters alone; the replica's base is its own
+        assert published and all(".lora_" in k for k in published)
+    else:
+        assert published.keys() == engine.actor.full_state_dict().keys()
+    assert replica.receive(published, 1) >= 0
     got = replica.generate(prompts, sampling)
     assert replica.weights_version == 1
     assert torch.equal(got["response_ids"], want["response_ids"])

@@ -22,6 +22,9 @@ from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine, train
 
 SIGNAL = "reward.function=reward_fns:length_score"
+# Rollouts split over ranks sample what one rank samples when every rank decodes the same
+# batches of rows: 8 at a time, queued rows waiting for the batch to empty.
+WAVES = ["rollout.micro_batch_size=8", "rollout.continuous_batching=false"]
 
 
 def cfg(pool: str, *extra: str):
@@ -31,7 +34,7 @@ def cfg(pool: str, *extra: str):
             SIGNAL,
             "trainer.backend=ray",
             f"ray.pool_name={pool}",
-            "rollout.micro_batch_size=8",
+            *WAVES,
             "ray.call_timeout_s=120",
             *extra,
         ],
@@ -69,14 +72,14 @@ def note_head():
 
 
 def test_two_fsdp_ranks_train_like_one_rank_and_like_the_local_loop():
-    local, local_hist = train(
-        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8"])
-    )
+    local, local_hist = train(load_config("configs/grpo_tiny.yaml", [SIGNAL, *WAVES]))
     expected = local.actor.policy.state_dict()
     for dp in (1, 2):
         engine = Engine(cfg(f"eq{dp}", f"actor.layout.dp={dp}"))
         _, hist = train(engine.cfg, engine=engine)
-        assert_same_weights(engine.actor.full_state_dict(), expected)
+        # 2 ranks sum the gradients in another order: a few weights in a million differ by
+        # a little more than 1e-6 (measured: 2 of 6.4M, by 1.3e-6)
+        assert_same_weights(engine.actor.full_state_dict(), expected, None if dp == 1 else 1e-5)
         assert_same_grad_norms(hist, local_hist, "actor")
         assert [h["critic/score/mean"] for h in hist] == [
             h["critic/score/mean"] for h in local_hist
@@ -246,7 +249,11 @@ def test_dead_worker_is_named_and_the_pool_is_rebuilt_from_saved_state(tmp_path)
 
 def test_ppo_with_separate_critic_and_reward_model_groups_matches_the_local_loop():
     """Actor FSDP over 2 ranks, critic FSDP over its own 2 ranks, reward model on its own."""
-    base = ["reward.model_path=tiny", "rollout.micro_batch_size=2"]
+    base = [
+        "reward.model_path=tiny",
+        "rollout.micro_batch_size=2",
+        "rollout.continuous_batching=false",
+    ]
     local, local_hist = train(load_config("configs/ppo_tiny.yaml", base))
     engine = Engine(
         load_config(
@@ -293,9 +300,7 @@ def test_lora_with_kl_and_rollout_correction_on_one_and_two_ranks_matches_local(
         "actor.use_kl_loss=true",
         "algorithm.rollout_correction.level=token",
     ]
-    local, local_hist = train(
-        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8", *extra])
-    )
+    local, local_hist = train(load_config("configs/grpo_tiny.yaml", [SIGNAL, *WAVES, *extra]))
     expected = local.actor.policy.state_dict()
     for dp in (1, 2):
         engine = Engine(cfg(f"lora{dp}", f"actor.layout.dp={dp}", *extra))
@@ -322,9 +327,7 @@ def test_multi_turn_rollouts_on_two_ranks_match_the_local_loop():
         "rollout.multi_turn.environment=env_fns:TwoTurns",
         "rollout.multi_turn.max_total_tokens=96",
     ]
-    local, local_hist = train(
-        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8", *extra])
-    )
+    local, local_hist = train(load_config("configs/grpo_tiny.yaml", [SIGNAL, *WAVES, *extra]))
     engine = Engine(cfg("mt2", "actor.layout.dp=2", *extra))
     _, hist = train(engine.cfg, engine=engine)
     assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), 1e-4)
@@ -340,9 +343,7 @@ def test_agent_episodes_on_two_ranks_match_the_local_loop():
     generate; a varying number of sequences (faulted episodes dropped) fills the last
     mini-batch with untrained rows: two ranks give the local loop's weights."""
     extra = ["rollout.agent.function=agent_fns:picky", "rollout.agent.on_fault=drop"]
-    local, local_hist = train(
-        load_config("configs/grpo_tiny.yaml", [SIGNAL, "rollout.micro_batch_size=8", *extra])
-    )
+    local, local_hist = train(load_config("configs/grpo_tiny.yaml", [SIGNAL, *WAVES, *extra]))
     engine = Engine(cfg("agent2", "actor.layout.dp=2", *extra))
     _, hist = train(engine.cfg, engine=engine)
     assert_same_weights(engine.actor.full_state_dict(), local.actor.policy.state_dict(), 1e-4)

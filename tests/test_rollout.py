@@ -92,13 +92,13 @@ def test_decode_greedy_gives_the_tokens_of_generate(setup, tokenizer, n):
             eos_token_id=eos,
         )
     counted = []
-    ours = decode(model, ids, mask, SamplingParams(10, 0.0), eos, pad, on_step=counted.append)
+    ours, _ = decode(model, ids, mask, SamplingParams(10, 0.0), eos, pad, on_step=counted.append)
     assert torch.equal(ours, full[:, ids.shape[1] :])
     assert sum(counted) == int(response_mask_from_ids(ours, eos).sum())
     # declare row 0's latest first-seen token the EOS: row 0 ends there, padded after it
     row0 = ours[0].tolist()
     k = max(i for i in range(len(row0)) if row0[i] not in row0[:i])
-    stopped = decode(model, ids, mask, SamplingParams(10, 0.0), row0[k], pad)
+    stopped, _ = decode(model, ids, mask, SamplingParams(10, 0.0), row0[k], pad)
     assert stopped[0, : k + 1].tolist() == row0[: k + 1] and (stopped[0, k + 1 :] == pad).all()
 
 

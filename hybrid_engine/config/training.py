@@ -295,7 +295,18 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(
         32, gt=0, description="longest response in tokens (multi-turn: per assistant turn)"
     )
-    micro_batch_size: int = Field(64, gt=0, description="sequences decoded together")
+    micro_batch_size: int = Field(
+        64,
+        gt=0,
+        description="hf backend: most sequences decoding at once; one that ends frees its slot "
+        "for the next (continuous batching)",
+    )
+    continuous_batching: bool = Field(
+        True,
+        description="hf backend: a queued sequence joins as soon as slots are free; false: "
+        "once the batch is empty (what runs on different rank counts need to sample the same "
+        "tokens: a row's float rounding depends on the rows beside it)",
+    )
     prefix_cache_mb: int = Field(
         1024,
         ge=0,

@@ -5,11 +5,12 @@ With `ray.rollout=separate` (what `trainer.max_staleness > 0` picks) the pool ha
 layout (full weights, no optimizer, no reference) and generate while the trainer trains:
 
     trainer (actor group)                         rollout group
-    publish: full weights of version v  ──ray──▶  receive(v): load them in place
+    publish: weights of version v       ──ray──▶  receive(v): load them in place
     update(N) ...                                 generate(step N+k) with version v
 
 The weights travel through Ray's object store: rank 0 of the actor group gathers the FSDP
-shards and puts one copy there (`publish`), each replica reads it (`receive`). A replica
+shards and puts one copy there (`publish`), each replica reads it (`receive`). With LoRA only
+the adapters travel: a replica builds the frozen base as the trainer does, from `model.path`. A replica
 knows which version it holds; the driver decides which version each rollout must use.
 """
 
@@ -46,10 +47,13 @@ class RolloutReplica:
 
     @torch.no_grad()
     def receive(self, state: dict[str, torch.Tensor], version: int) -> float:
-        """Load the trainer's full weights of `version` in place; returns the seconds."""
+        """Load the trainer's weights of `version` in place (with LoRA: the adapters); returns
+        the seconds."""
         start = time.perf_counter()
         self.rollout.drop_prefixes()
         missing, unexpected = self.policy.load_state_dict(state, strict=False)
+        if self.cfg.actor.lora.rank:
+            missing = [k for k in missing if ".lora_" in k]  # the base is the replica's own
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
             raise RuntimeError(
                 f"weights of version {version} do not fit the rollout replica: missing "

@@ -148,9 +148,10 @@ class Worker:
             raise
 
     def publish(self, role: str, driver: dict | None = None) -> list | None:
-        """The role's full weights into Ray's object store (all ranks gather, rank 0 puts):
-        `[ref]` from rank 0 (a list, so that the caller does not fetch the tensors)."""
-        state = self.call(role, "full_state_dict", driver=driver)
+        """The weights a rollout replica loads (full, or LoRA's adapters) into Ray's object
+        store (all ranks gather, rank 0 puts): `[ref]` from rank 0 (a list, so that the
+        caller does not fetch the tensors)."""
+        state = self.call(role, "replica_state_dict", driver=driver)
         return [ray.put(state)] if self.rank == 0 else None
 
     def receive(self, role: str, holder: list, version: int, driver: dict | None = None) -> float:

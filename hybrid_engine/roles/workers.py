@@ -319,6 +319,11 @@ class ActorRolloutRef:
         beside the base layers they adapt; all ranks must call it."""
         return full_state_dict(self.policy)
 
+    def replica_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a rollout replica loads to hold these weights (`pool.replica`): the full
+        weights, or with LoRA the adapters alone (the replica builds the same frozen base)."""
+        return full_state_dict(self.policy, trainable_only=self.lora is not None)
+
     def rollout_progress(self) -> dict[str, float] | None:
         """The generate call running now: response tokens so far and seconds (hf only)."""
         return self.rollout.progress() if isinstance(self.rollout, HFRollout) else None

@@ -7,6 +7,7 @@ module itself, so on one CPU rank the rollout "layout" shares the training param
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,6 @@ from hybrid_engine.registry import ROLLOUT_BACKENDS
 from hybrid_engine.rollout.base import (
     PREFIX_COUNTS,
     SamplingParams,
-    pad_right,
     response_mask_from_ids,
     with_responses,
 )
@@ -36,8 +36,8 @@ from hybrid_engine.rollout.prefix_cache import (
     fill_past,
     gapped_layout,
     prefix_cache_for,
-    row_kv,
 )
+from hybrid_engine.rollout.slots import Slots
 
 
 def logits_warpers(sampling: SamplingParams) -> LogitsProcessorList:
@@ -101,6 +101,15 @@ def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(index, last)
 
 
+SHRINK = 4  # with nothing queued, drop the free slots once they are 1/SHRINK of the batch
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of a batch's row `row` (its global index) under the call's `seed`: a
+    hash of both, 32 bits (a CPU torch.Generator keeps only a seed's low 32 bits)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{row}".encode(), digest_size=4).digest())
+
+
 @torch.no_grad()
 def decode(
     model: PreTrainedModel,
@@ -109,44 +118,120 @@ def decode(
     sampling: SamplingParams,
     eos_token_id: int,
     pad_token_id: int,
+    slots: int | None = None,
+    join: bool = True,
     on_step: Callable[[int], None] | None = None,
-    log_probs_out: list[torch.Tensor] | None = None,
+    log_probs: bool = False,
     row_seeds: list[int] | None = None,
     prefixes: PrefixCache | None = None,
     keep: bool = False,
-) -> torch.Tensor:
-    """(rows, steps) response tokens for left-padded prompts, pad after each row's EOS.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rows, steps) response tokens for left-padded prompts, pad after each row's EOS, and
+    with `log_probs` the (rows, steps) log-probs of the sampled tokens under
+    softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p: the
+    distribution the training side computes its log-probs from.
 
-    The loop `generate` runs, with three differences that matter on a CPU (bench/rollout.py):
-    - a StaticCache of prompt width + max_new_tokens, written in place (a DynamicCache
-      concatenates every layer's keys and values at every step);
-    - GRPO's n samples of a prompt sit in consecutive rows: each distinct prompt is prefilled
-      once and its cache rows and first logits are copied to its samples (1/n of the prefill);
-    - `sample_tokens` draws with one uniform number per row.
-    Positions skip left padding, as in `generate`; greedy gives `generate`'s tokens. Stops when
-    every row has emitted EOS. `on_step(k)`: k rows were still open and sampled a token.
-    `log_probs_out`, if given, receives per step the (rows,) log-probs of the sampled tokens
-    under softmax(logits / temperature) (temperature 1 when greedy), before top-k/top-p: the
-    distribution the training side computes its log-probs from. `row_seeds`: each row samples
-    from its own generator (the agent endpoint's calls, batched as they come). `prefixes`: a
-    row starting with a stored sequence prefills only the rest (`prefix_cache`); with `keep`
-    each row's context and response are stored there after the decode."""
-    rows = len(prompt_ids)
-    steps = sampling.max_new_tokens
-    first = ~repeats_previous_row(prompt_ids, prompt_mask)  # the row starts a new prompt
+    The loop `generate` runs, with four differences that matter on a CPU (bench/rollout.py):
+    - continuous batching (`slots`): at most `slots` rows decode at once; a row that ends
+      leaves and a queued row joins (without `join`, queued rows wait for the batch to empty:
+      batches of `slots` rows, as a split would make them), and when nothing is queued the
+      batch shrinks to the rows still open (`Slots`), so few steps are spent on ended rows;
+    - a StaticCache, written in place (a DynamicCache concatenates every layer's keys and
+      values at every step);
+    - GRPO's n samples of a prompt sit in consecutive rows: the rows joining together prefill
+      each distinct prompt once and copy its keys and values to its samples;
+    - `sample_tokens` draws with one uniform number per row, from the row's own generator
+      (`row_seeds`, else seeds drawn from torch's global generator), so a row's tokens do not
+      depend on the rows it shares the batch with.
+    Positions skip left padding, as in `generate`; greedy gives `generate`'s tokens. `on_step(k)`:
+    k rows were open and sampled a token. `prefixes`: a row starting with a stored sequence
+    prefills only the rest (`prefix_cache`); with `keep` each row's context and response are
+    stored there when it ends."""
+    rows, steps = len(prompt_ids), sampling.max_new_tokens
+    device = prompt_ids.device
+    out = torch.full((rows, steps), pad_token_id, dtype=prompt_ids.dtype, device=device)
+    lps = torch.zeros(rows, steps, device=device) if log_probs else None
+    emitted = torch.zeros(rows, dtype=torch.long, device=device)
+    gens: list[torch.Generator] = []
+    if not sampling.greedy:
+        if row_seeds is None:
+            row_seeds = torch.randint(2**62, (rows,)).tolist()
+        gens = [torch.Generator().manual_seed(s) for s in row_seeds]
+    warpers = logits_warpers(sampling)
+    queue = list(range(rows))
+    count = min(slots or rows, rows)
+    pool: Slots | None = None
+    logits = torch.empty(0)
+    while True:
+        if pool is not None and not pool.active():
+            pool = None  # every row ended: the rows queued start a fresh batch
+        free = pool.free() if pool is not None else list(range(min(count, len(queue))))
+        if queue and (pool is None or join and len(free) >= max(1, count // 4)):
+            joining, queue = queue[: len(free)], queue[len(free) :]
+            new_logits, cache, mask = prefill(
+                model, prompt_ids[joining], prompt_mask[joining], prefixes, pad_token_id
+            )
+            if pool is None:
+                pool = Slots(model.config, len(free), steps, like=cache)
+                logits = new_logits.new_empty(len(free), new_logits.shape[-1])
+            pool.place(free[: len(joining)], joining, cache, mask)
+            logits[free[: len(joining)]] = new_logits
+        elif not queue and len(free) >= max(1, len(pool.row) // SHRINK):
+            logits = logits[pool.compact(drop_free=True)]
+        active = pool.active()
+        index = torch.tensor(active, device=device)
+        row = torch.tensor([pool.row[s] for s in active], device=device)
+        z = logits[index].float()
+        scores = warpers(out[:0], z)
+        token = sample_tokens(scores, sampling.greedy, [gens[r] for r in row] if gens else None)
+        t = emitted[row]
+        out[row, t] = token
+        if lps is not None:
+            z = z / (sampling.temperature or 1.0)
+            lps[row, t] = z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
+        emitted[row] += 1
+        if on_step is not None:
+            on_step(len(active))
+        ended = (token == eos_token_id) | (t + 1 == steps)
+        for s in index[ended].tolist():
+            r = pool.row[s]
+            if keep and prefixes is not None:
+                context = prompt_ids[r][prompt_mask[r].bool()].cpu()
+                tokens = torch.cat([context, out[r, : int(emitted[r]) - 1].cpu()])
+                prefixes.put(tokens, pool.kv(s).cpu())
+            pool.row[s] = -1
+        if not queue and not pool.active():
+            length = int(emitted.max())
+            return out[:, :length], None if lps is None else lps[:, :length]
+        fed = torch.full((len(pool.row),), pad_token_id, dtype=out.dtype, device=device)
+        fed[index] = token
+        logits = pool.step(model, fed)
+
+
+def prefill(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    prefixes: PrefixCache | None,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, StaticCache, torch.Tensor]:
+    """Each row's next-token logits after its prompt, and the prompts' keys and values in a
+    StaticCache (one row per prompt, attention mask `mask`): each distinct prompt of
+    consecutive equal rows runs once, and a prompt starting with a sequence in `prefixes`
+    runs only its rest."""
+    first = ~repeats_previous_row(ids, mask)
     distinct = first.nonzero().squeeze(-1)
-    ids, mask = prompt_ids[distinct], prompt_mask[distinct]
+    ids, mask = ids[distinct], mask[distinct]
     real, matches = [], []
     if prefixes is not None:
         real = [r[m.bool()] for r, m in zip(ids.cpu(), mask.cpu(), strict=True)]
         matches = [prefixes.match(r) for r in real]
     past = [n for _, n in matches]
     width_past = 0
-    if any(past):  # [past | new tokens | decode]: only the new tokens are prefilled
+    if any(past):  # [past | new tokens]: only the new tokens are prefilled
         ids, mask, width_past = gapped_layout(real, past, pad_token_id)
-        ids, mask = ids.to(prompt_ids.device), mask.to(prompt_ids.device)
-    width = mask.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=width + steps)
+        ids, mask = ids.to(first.device), mask.to(first.device)
+    cache = StaticCache(config=model.config, max_cache_len=mask.shape[1])
     if width_past:
         fill_past(cache, [e for e, _ in matches], past, width_past, ids.device)
     logits = model(
@@ -158,57 +243,10 @@ def decode(
         logits_to_keep=1,
     ).logits[:, -1]
     prompt_of = first.long().cumsum(0) - 1  # row i <- its prompt's row
-    if len(distinct) < rows:
+    if len(distinct) < len(first):
         cache.reorder_cache(prompt_of)
-        logits = logits[prompt_of]
-    warpers = logits_warpers(sampling)
-    mask = torch.cat([mask[prompt_of], mask.new_ones(rows, steps)], 1)
-    position = prompt_mask.sum(-1, keepdim=True)  # of the first response token
-    out = torch.full((rows, steps), pad_token_id, dtype=prompt_ids.dtype, device=prompt_ids.device)
-    done = torch.zeros(rows, dtype=torch.bool, device=prompt_ids.device)
-    gens = None if row_seeds is None else [torch.Generator().manual_seed(s) for s in row_seeds]
-    for t in range(steps):
-        scores = warpers(out[:, :t], logits.float())
-        token = sample_tokens(scores, sampling.greedy, gens).masked_fill_(done, pad_token_id)
-        out[:, t] = token
-        if log_probs_out is not None:
-            z = logits.float() / (sampling.temperature or 1.0)
-            lp = z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
-            log_probs_out.append(lp.masked_fill_(done, 0.0))
-        if on_step is not None:
-            on_step(int((~done).sum()))
-        done |= token == eos_token_id
-        if t == steps - 1 or bool(done.all()):
-            if keep and prefixes is not None:
-                contexts = [real[j] for j in prompt_of.tolist()]
-                store(prefixes, cache, contexts, out[:, :t], mask, eos_token_id)
-            return out[:, : t + 1]
-        logits = model(
-            input_ids=token[:, None],
-            attention_mask=mask[:, : width + t + 1],
-            position_ids=position + t,
-            cache=cache,
-            use_cache=True,
-            cache_position=torch.tensor([width + t], device=mask.device),
-        ).logits[:, -1]
-    return out
-
-
-def store(
-    prefixes: PrefixCache,
-    cache: StaticCache,
-    contexts: list[torch.Tensor],
-    fed: torch.Tensor,
-    mask: torch.Tensor,
-    eos_token_id: int,
-) -> None:
-    """Each row's context and the response tokens fed back so far (`fed`, up to its EOS)
-    into `prefixes`, with their keys and values from the decode's cache."""
-    lengths = response_mask_from_ids(fed, eos_token_id).sum(-1).tolist()
-    for i, (context, n) in enumerate(zip(contexts, lengths, strict=True)):
-        tokens = torch.cat([context, fed[i, :n].cpu()])
-        slots = mask[i].nonzero().squeeze(-1)[: len(tokens)]
-        prefixes.put(tokens, row_kv(cache, i, slots).cpu())
+        logits, mask = logits[prompt_of], mask[prompt_of]
+    return logits, cache, mask
 
 
 @ROLLOUT_BACKENDS.register("hf", in_place=True, tensor_parallel=False, separate_group=True)
@@ -220,7 +258,7 @@ class HFRollout:
         """The backend of `rollout.name: hf`, on the rollout-layout module."""
         r = cfg.rollout
         pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-        return cls(module, pad, eos, r.micro_batch_size, r.prefix_cache_mb)
+        return cls(module, pad, eos, r.micro_batch_size, r.prefix_cache_mb, r.continuous_batching)
 
     def __init__(
         self,
@@ -229,8 +267,10 @@ class HFRollout:
         eos_token_id: int,
         micro_batch_size: int,
         prefix_cache_mb: int = 0,
+        continuous_batching: bool = True,
     ) -> None:
         self.model = model
+        self.continuous_batching = continuous_batching
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.micro_batch_size = micro_batch_size
@@ -240,6 +280,7 @@ class HFRollout:
     def configure(self, cfg: HybridConfig) -> None:
         """A run's rollout settings on an existing backend (a reused pool)."""
         self.micro_batch_size = cfg.rollout.micro_batch_size
+        self.continuous_batching = cfg.rollout.continuous_batching
         self.prefixes = prefix_cache_for(self.model, cfg.rollout.prefix_cache_mb)
 
     def drop_prefixes(self) -> None:
@@ -263,8 +304,6 @@ class HFRollout:
         pad, eos = self.pad_token_id, self.eos_token_id
         was_training = self.model.training
         self.model.eval()
-        # Each chunk is seeded by its first row's global index, so the samples do not depend
-        # on how the batch was split across replicas (`row_offset` = this part's first row).
         offset = int(batch.meta.get("row_offset", 0))
         prefixes = self.prefixes
         if prefixes is not None:
@@ -278,30 +317,29 @@ class HFRollout:
         start = time.perf_counter()
         self.tokens_so_far, self.started = 0, start
         try:
-            chunks, lp_chunks = [], []
             device = self.model.device
-            for i, part in enumerate(batch.split(self.micro_batch_size)):
-                torch.manual_seed(sampling.seed + offset + i * self.micro_batch_size)
-                prompt_ids = part["prompt_ids"].to(device)
-                prompt_mask = part["prompt_mask"].to(device)
-                steps: list[torch.Tensor] | None = [] if sampling.log_probs else None
-                seeds = part["row_seed"].tolist() if "row_seed" in part else None
-                out = decode(
-                    self.model,
-                    prompt_ids,
-                    prompt_mask,
-                    sampling,
-                    eos,
-                    pad,
-                    on_step=self._count,
-                    log_probs_out=steps,
-                    row_seeds=seeds,
-                    prefixes=prefixes,
-                    keep=sampling.keep_prefixes,
-                )
-                chunks.append(out.cpu())
-                if steps is not None:
-                    lp_chunks.append(torch.stack(steps, 1).cpu())
+            # Each row samples from its own generator, seeded by its global index (`row_offset`:
+            # this part's first row), so the samples do not depend on how the batch was split
+            # across replicas or into slots.
+            if "row_seed" in batch:  # the agent endpoint's own seeds
+                seeds = batch["row_seed"].tolist()
+            else:
+                seeds = [row_seed(sampling.seed, offset + i) for i in range(len(batch))]
+            response_ids, lps = decode(
+                self.model,
+                batch["prompt_ids"].to(device),
+                batch["prompt_mask"].to(device),
+                sampling,
+                eos,
+                pad,
+                slots=self.micro_batch_size,
+                join=self.continuous_batching,
+                on_step=self._count,
+                log_probs=sampling.log_probs,
+                row_seeds=seeds,
+                prefixes=prefixes,
+                keep=sampling.keep_prefixes,
+            )
         finally:
             self.started = None
             self.model.train(was_training)
@@ -309,14 +347,12 @@ class HFRollout:
                 prefixes.clear()  # no continuation follows: free the memory now
         seconds = time.perf_counter() - start
 
-        length = max(c.shape[1] for c in chunks)
-        response_ids = torch.cat([pad_right(c, length, pad) for c in chunks])
+        response_ids = response_ids.cpu()
         response_mask = response_mask_from_ids(response_ids, eos)
         response_ids = response_ids.masked_fill(response_mask == 0, pad)
         extra = {}
-        if lp_chunks:
-            lps = torch.cat([pad_right(c, length, 0) for c in lp_chunks])
-            extra["rollout_log_probs"] = lps.masked_fill(response_mask == 0, 0.0)
+        if lps is not None:
+            extra["rollout_log_probs"] = lps.cpu().masked_fill(response_mask == 0, 0.0)
         out = with_responses(batch, response_ids, response_mask, **extra)
         tokens = int(response_mask.sum())
         out.meta.update(gen_tokens=tokens, gen_seconds=seconds, gen_tokens_per_s=tokens / seconds)

@@ -153,13 +153,3 @@ def fill_past(
             layer.values[i, :, width - n : width] = kv[1]
     for layer in cache.layers:
         layer.cumulative_length.fill_(width)
-
-
-def row_kv(cache: StaticCache, row: int, slots: torch.Tensor) -> torch.Tensor:
-    """(layers, 2, kv_heads, len(slots), head_dim): one row's keys and values at `slots`."""
-    return torch.stack(
-        [
-            torch.stack([layer.keys[row][:, slots], layer.values[row][:, slots]])
-            for layer in cache.layers
-        ]
-    )
