@@ -169,13 +169,18 @@ def decode(
         if queue and (pool is None or join and len(free) >= max(1, count // 4)):
             joining, queue = queue[: len(free)], queue[len(free) :]
             new_logits, cache, mask = prefill(
-                model, prompt_ids[joining], prompt_mask[joining], prefixes, pad_token_id
+                model,
+                prompt_ids[joining],
+                prompt_mask[joining],
+                prefixes,
+                pad_token_id,
+                room=steps if pool is None else 0,
             )
-            if pool is None:
-                pool = Slots(model.config, len(free), steps, like=cache)
-                logits = new_logits.new_empty(len(free), new_logits.shape[-1])
-            pool.place(free[: len(joining)], joining, cache, mask)
-            logits[free[: len(joining)]] = new_logits
+            if pool is None:  # decode in the prefill's own cache
+                pool, logits = Slots(model.config, steps, cache, mask, joining), new_logits
+            else:
+                pool.place(free[: len(joining)], joining, cache, mask)
+                logits[free[: len(joining)]] = new_logits
         elif not queue and len(free) >= max(1, len(pool.row) // SHRINK):
             logits = logits[pool.compact(drop_free=True)]
         active = pool.active()
@@ -214,11 +219,12 @@ def prefill(
     mask: torch.Tensor,
     prefixes: PrefixCache | None,
     pad_token_id: int,
+    room: int = 0,
 ) -> tuple[torch.Tensor, StaticCache, torch.Tensor]:
     """Each row's next-token logits after its prompt, and the prompts' keys and values in a
-    StaticCache (one row per prompt, attention mask `mask`): each distinct prompt of
-    consecutive equal rows runs once, and a prompt starting with a sequence in `prefixes`
-    runs only its rest."""
+    StaticCache (one row per prompt, attention mask `mask`, `room` free columns after them):
+    each distinct prompt of consecutive equal rows runs once, and a prompt starting with a
+    sequence in `prefixes` runs only its rest."""
     first = ~repeats_previous_row(ids, mask)
     distinct = first.nonzero().squeeze(-1)
     ids, mask = ids[distinct], mask[distinct]
@@ -231,7 +237,7 @@ def prefill(
     if any(past):  # [past | new tokens]: only the new tokens are prefilled
         ids, mask, width_past = gapped_layout(real, past, pad_token_id)
         ids, mask = ids.to(first.device), mask.to(first.device)
-    cache = StaticCache(config=model.config, max_cache_len=mask.shape[1])
+    cache = StaticCache(config=model.config, max_cache_len=mask.shape[1] + room)
     if width_past:
         fill_past(cache, [e for e, _ in matches], past, width_past, ids.device)
     logits = model(

@@ -8,9 +8,11 @@ its own columns and its positions count only its own tokens, so each sequence se
 would see decoded alone. The values agree to float rounding, not bit for bit (the matmuls run
 at other shapes).
 
-`relayout` is the one copy: when the write column reaches the end it drops the columns no
-sequence still uses (and makes room on the left for a newcomer's longer prompt), and when
-nothing is queued it drops the free slots, so the rows left decode in a smaller batch.
+The first sequences decode in the cache their prompts were prefilled into. Besides writing a
+newcomer's prompt in, `relayout` is the one copy, a layer at a time: when the write column
+reaches the end it drops the columns no sequence still uses (and makes room on the left for a
+newcomer's longer prompt), and when nothing is queued it drops the free slots, so the rows
+left decode in a smaller batch.
 """
 
 from __future__ import annotations
@@ -20,24 +22,27 @@ from transformers import PretrainedConfig, StaticCache
 
 
 class Slots:
-    """`count` slots of a StaticCache with room for `steps` more tokens after each relayout."""
+    """The slots of one StaticCache, with room for `steps` more tokens after each relayout."""
 
-    def __init__(self, config: PretrainedConfig, count: int, steps: int, like: StaticCache) -> None:
-        keys = like.layers[0].keys
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        steps: int,
+        cache: StaticCache,
+        mask: torch.Tensor,
+        rows: list[int],
+    ) -> None:
+        """Slots for `rows`, whose prompts `cache` holds prefilled (attention mask `mask`),
+        with room for `steps` more columns after them."""
+        keys = cache.layers[0].keys
         self.config, self.steps = config, steps
-        self.heads, self.dim, self.dtype, self.device = (
-            keys.shape[1],
-            keys.shape[3],
-            keys.dtype,
-            keys.device,
-        )
-        self.row = [-1] * count  # the sequence in each slot; -1: free
-        self.mask = torch.zeros(count, 0, dtype=torch.long, device=self.device)
-        self.position = torch.zeros(count, dtype=torch.long, device=self.device)
-        self.col = 0  # the write column
-        self.cache: StaticCache | None = None
-        self.relayouts = 0
-        self.relayout(list(range(count)), 0)
+        _, self.heads, _, self.dim = keys.shape
+        self.dtype, self.device = keys.dtype, keys.device
+        self.row = list(rows)  # the sequence in each slot; -1: free
+        self.mask = torch.cat([mask, mask.new_zeros(len(rows), steps)], 1)
+        self.position = mask.sum(-1)
+        self.col = mask.shape[1]  # the write column
+        self.cache = cache
 
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.row) if r < 0]
@@ -56,19 +61,21 @@ class Slots:
             empty = mask[:, :col].sum(-1) == 0  # a free slot whose columns were dropped
             mask[empty, col - 1] = 1  # attends one stale column: finite, and never read
         cache = StaticCache(config=self.config, max_cache_len=col + self.steps)
-        cache.early_initialization(len(keep), self.heads, self.dim, self.dtype, self.device)
-        if self.cache is not None and span:
-            for new, old in zip(cache.layers, self.cache.layers, strict=True):
+        shape = (len(keep), self.heads, 1, self.dim)
+        stub = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for new, old in zip(cache.layers, self.cache.layers, strict=True):
+            new.lazy_initialization(stub, stub)  # one layer at a time: the copy costs one
+            if span:  # layer's memory, not the whole cache's
                 new.keys[:, :, col - span : col] = old.keys[index, :, self.col - span : self.col]
                 new.values[:, :, col - span : col] = old.values[
                     index, :, self.col - span : self.col
                 ]
+            old.keys = old.values = None
         for layer in cache.layers:
             layer.cumulative_length.fill_(col)
         self.cache, self.mask, self.col = cache, mask, col
         self.position = self.position[index]
         self.row = [self.row[s] for s in keep]
-        self.relayouts += 1
 
     def compact(self, drop_free: bool) -> list[int]:
         """Relayout to the columns the active slots use (and without the free slots when
