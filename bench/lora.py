@@ -11,9 +11,9 @@ frozen copy of the weights for it, LoRA switches its adapters off instead.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
-import pickle
 import statistics
 import subprocess
 import sys
@@ -69,14 +69,19 @@ def one(steps: int, overrides: list[str]) -> dict:
 def publish_round_trip(actor) -> tuple[int, float]:
     """Bytes of what `publish` sends a replica per version (`replica_state_dict`), and the
     median seconds to gather and serialise it, then deserialise and load it in place (what
-    Ray's object store and `RolloutReplica.receive` do, here in one process)."""
+    Ray's object store and `RolloutReplica.receive` do, here in one process; tensors only,
+    read back with `weights_only=True`)."""
+    import torch
+
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        blob = pickle.dumps(actor.replica_state_dict())
-        actor.policy.load_state_dict(pickle.loads(blob), strict=False)
+        blob = io.BytesIO()
+        torch.save(actor.replica_state_dict(), blob)
+        blob.seek(0)
+        actor.policy.load_state_dict(torch.load(blob, weights_only=True), strict=False)
         times.append(time.perf_counter() - start)
-    return len(blob), statistics.median(times)
+    return blob.getbuffer().nbytes, statistics.median(times)
 
 
 def main() -> None:
