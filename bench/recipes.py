@@ -88,6 +88,15 @@ def run(recipe: str, steps: int, seed: int, every: int, overrides: list[str]) ->
         "gen_batches_per_step": statistics.mean(
             h.get("dynamic_sampling/gen_batches", 1.0) for h in history if h["step"]
         ),
+        "rounds_per_step": statistics.mean(
+            h.get("dynamic_sampling/rounds", 1.0) for h in history if h["step"]
+        ),
+        "prompts_per_step": statistics.mean(
+            h.get("dynamic_sampling/prompts_consumed", cfg.data.train_batch_size)
+            for h in history
+            if h["step"]
+        ),
+        "gen_s_per_step": statistics.mean(h["timing_s/gen"] for h in history if h["step"]),
         "peak_rss_gb": peak_rss_gb(),
         "val_questions": len(engine.data.val),
         "overrides": overrides,
@@ -103,6 +112,9 @@ def table(results: list[dict], steps: int, every: int) -> str:
         "median step s",
         "entropy at the end",
         "generation batches / step",
+        "rounds / step",
+        "prompts / step",
+        "generation s / step",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in results:
@@ -120,6 +132,9 @@ def table(results: list[dict], steps: int, every: int) -> str:
                     f"{r['median_step_s']:.1f}",
                     "—" if ent is None else f"{ent:.3f}",
                     f"{r['gen_batches_per_step']:.2f}",
+                    f"{r.get('rounds_per_step', r['gen_batches_per_step']):.2f}",
+                    f"{r.get('prompts_per_step', 0):.1f}",
+                    f"{r.get('gen_s_per_step', 0):.1f}",
                 ]
             )
             + " |"

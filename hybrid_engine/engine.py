@@ -175,13 +175,18 @@ class Engine:
             return self.rollout(step, on_turn=on_turn)
         first = self.next_gen_batch if first_gen_batch is None else first_gen_batch
         batch = dynamic_rollout(
-            lambda g: self.reward(self.rollout(step, g, on_turn)),
+            lambda g, n: self.reward(self.rollout(step, g, on_turn, n_prompts=n)),
             first,
             self.cfg.data.train_batch_size,
             fg.metric,
             fg.max_num_gen_batches,
             fg.on_exhausted,
             self.tokenizer.pad_token_id,
+            fg.adaptive_rounds,
+            max(
+                self.cfg.data.train_batch_size,
+                self.cfg.rollout.micro_batch_size // self.cfg.rollout.n,
+            ),
             load,
             save,
         )
@@ -195,19 +200,24 @@ class Engine:
         gen_batch: int | None = None,
         on_turn: Callable[[int], None] | None = None,
         episode_log: EpisodeLog | None = None,
+        n_prompts: int | None = None,
     ) -> Batch:
         """Step N's prompts, `rollout.n` samples each (multi-turn: trajectories, `on_turn(k)`
         called after turn k; agents: episodes, each handed to `episode_log` as it ends and
         `on_turn(k)` called after the k-th). Generation batch g (dynamic sampling) takes the
-        prompts and seed step g takes without it; default g = N."""
+        prompts and seed step g takes without it, default g = N; `n_prompts`: that many
+        prompts of the data order from the start of batch g (fewer than a batch: its first
+        ones, sampled as in the whole batch; more: on into the next batches), with g's seed."""
         r = self.cfg.rollout
         g = step if gen_batch is None else gen_batch
         metrics: dict[str, float] = {}
         version = self._rollout_weights(step, metrics)
-        prompts = prompt_batch(
-            self.data.step_rows(g), self.tokenizer, self.cfg.data.max_prompt_length
-        )
-        prompts["uid"] = [f"{g}-{i}" for i in range(len(prompts))]
+        rows, uids, k = [], [], g
+        while not rows or n_prompts is not None and len(rows) < n_prompts:
+            more = self.data.step_rows(k)[: None if n_prompts is None else n_prompts - len(rows)]
+            rows, uids, k = rows + more, uids + [f"{k}-{i}" for i in range(len(more))], k + 1
+        prompts = prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length)
+        prompts["uid"] = uids
         sampling = SamplingParams(
             r.max_new_tokens,
             r.temperature,

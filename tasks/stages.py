@@ -143,8 +143,10 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
         batch = engine.rollout(step, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))
     meta = {"metrics": batch.meta["metrics"], "weights_version": int(batch["weights_version"][0])}
     if "gen_batches" in batch.meta:  # the prompts this step consumed, and where the next starts
-        meta |= {k: batch.meta[k] for k in ("gen_batches", "next_gen_batch")}
-    meta["prompts"] = consumed(engine, batch.meta.get("gen_batches", [step]))
+        meta |= {k: batch.meta[k] for k in ("gen_batches", "gen_batch_prompts", "next_gen_batch")}
+    meta["prompts"] = consumed(
+        engine, batch.meta.get("gen_batches", [step]), batch.meta.get("gen_batch_prompts")
+    )
     meta["wall_s"] = time.perf_counter() - start
     return _result("rollout", step, store.commit_stage(step, "rollout", batch, meta), meta, False)
 
@@ -164,13 +166,15 @@ class EpisodeLog:
         self.store.commit_stage(self.step, f"rollout-episode{i}", None, {"episode": episode})
 
 
-def consumed(engine: Engine, gen_batches: list[int]) -> list[dict[str, Any]]:
+def consumed(
+    engine: Engine, gen_batches: list[int], sizes: list[int] | None = None
+) -> list[dict[str, Any]]:
     """The prompts a rollout consumed: per batch of the data order, its epoch and the
-    training rows' indices (`PromptData.step_indices`)."""
+    training rows' indices (`PromptData.step_indices`), the first `sizes[i]` of batch i."""
     out = []
-    for g in gen_batches:
+    for i, g in enumerate(gen_batches):
         epoch, rows = engine.data.step_indices(g)
-        out.append({"batch": g, "epoch": epoch, "rows": rows})
+        out.append({"batch": g, "epoch": epoch, "rows": rows[: sizes[i]] if sizes else rows})
     return out
 
 

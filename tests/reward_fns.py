@@ -43,5 +43,13 @@ def half_solved(prompts, completions, rows):
     ]
 
 
+def rarely_varied(prompts, completions, rows):
+    """Like `half_solved`, but only answers that are 1 modulo 4 can vary: few groups kept."""
+    return [
+        1.0 if int(row["ground_truth"]) % 4 != 1 else float(len(text) % 2)
+        for text, row in zip(completions, rows, strict=True)
+    ]
+
+
 def always_one(prompts, completions, rows):
     return [1.0 for _ in completions]

@@ -6,7 +6,11 @@ import torch
 
 from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine
-from hybrid_engine.rollout.dynamic_sampling import DynamicSamplingExhausted, concat_rollouts
+from hybrid_engine.rollout.dynamic_sampling import (
+    DynamicSamplingExhausted,
+    concat_rollouts,
+    round_prompts,
+)
 
 ON = ["reward.function=reward_fns:half_solved", "algorithm.filter_groups.enabled=true"]
 
@@ -28,7 +32,9 @@ def test_only_varied_groups_train_and_the_next_step_starts_after_them():
     assert all(uid.split("-")[0] in {str(g) for g in g1} for uid in b1["uid"])
     m = b1.meta["metrics"]
     assert m["dynamic_sampling/gen_batches"] == len(g1)
-    assert m["dynamic_sampling/prompts_consumed"] == 4 * len(g1)
+    sizes = b1.meta["gen_batch_prompts"]  # whole generation batches, the last one cut
+    assert sizes[:-1] == [4] * (len(sizes) - 1) and len(sizes) == len(g1)
+    assert m["dynamic_sampling/prompts_consumed"] == sum(sizes)
     assert m["dynamic_sampling/kept_groups"] >= 4 and m["dynamic_sampling/trained_groups"] == 4
     # samples of a group stay consecutive (shared prefill and packing rely on it)
     uids = b1["uid"]
@@ -38,6 +44,45 @@ def test_only_varied_groups_train_and_the_next_step_starts_after_them():
     engine.update(engine.advantage(b1))
     b2 = engine.sample(2)
     assert b2.meta["gen_batches"][0] == g1[-1] + 1  # no prompt consumed twice, none skipped
+
+
+def test_a_round_takes_the_prompts_the_kept_rate_asks_for():
+    # round_prompts(groups, kept, consumed, cap, adaptive, allowed)
+    assert round_prompts(8, 0, 0, 32, True, None) == 8  # the first round: one batch
+    assert round_prompts(8, 2, 8, 32, False, None) == 8  # verl's recipe: one batch
+    assert round_prompts(8, 2, 8, 32, True, None) == 24  # 6 missing at 1/4
+    assert round_prompts(8, 1, 8, 32, True, None) == 32  # 7 missing at 1/8: the cap
+    assert round_prompts(8, 0, 8, 32, True, None) == 32  # none kept yet: the cap
+    assert round_prompts(8, 6, 8, 32, True, None) == 3  # 2 missing at 3/4: ceil(2.67)
+    assert round_prompts(8, 7, 16, 32, True, 12) == 3  # 1 missing at 7/16: ceil(2.29)
+    assert round_prompts(8, 2, 8, 32, True, 5) == 5  # the limit's rest
+
+
+def test_the_first_prompts_of_a_generation_batch_sample_as_in_the_whole_batch():
+    engine = Engine(load_config("configs/grpo_tiny.yaml", ON))
+    whole, part = engine.rollout(1, 2), engine.rollout(1, 2, n_prompts=2)
+    assert part["uid"] == whole["uid"][:8]
+    width = part["response_ids"].shape[1]
+    assert torch.equal(part["response_ids"], whole["response_ids"][:8, :width])
+    # a round past the batch goes on into the next ones, in the data order
+    wide = engine.rollout(1, 2, n_prompts=6)
+    assert wide["uid"][::4] == ["2-0", "2-1", "2-2", "2-3", "3-0", "3-1"]
+    rows = engine.data.step_rows(2) + engine.data.step_rows(3)[:2]
+    assert wide["ground_truth"][::4] == [r["reward_model"]["ground_truth"] for r in rows]
+
+
+def test_rounds_follow_the_kept_rate_or_take_one_batch_each():
+    rare = ["reward.function=reward_fns:rarely_varied", "algorithm.filter_groups.enabled=true"]
+    batch = Engine(load_config("configs/grpo_tiny.yaml", rare)).sample(1)
+    m, sizes = batch.meta["metrics"], batch.meta["gen_batch_prompts"]
+    assert sizes[:-1] == [4] * (len(sizes) - 1) and 1 <= sizes[-1] <= 4  # the last one cut
+    assert m["dynamic_sampling/prompts_consumed"] == sum(sizes)
+    assert m["dynamic_sampling/rounds"] < len(sizes)  # a round spanned generation batches
+    off = [*rare, "algorithm.filter_groups.adaptive_rounds=false"]
+    batch = Engine(load_config("configs/grpo_tiny.yaml", off)).sample(1)
+    sizes = batch.meta["gen_batch_prompts"]
+    assert len(sizes) >= 2 and sizes == [4] * len(sizes)
+    assert batch.meta["metrics"]["dynamic_sampling/rounds"] == len(sizes)
 
 
 def test_generation_batches_of_different_widths_concatenate():

@@ -1,4 +1,4 @@
-"""Dynamic sampling through the pipeline: each generation batch is committed, so a run killed
+"""Dynamic sampling through the pipeline: each round is committed, so a run killed
 mid-step resumes without generating a committed one again, consumes the same prompts and
 ends with the uninterrupted run's weights (real driver processes, SIGKILL, real Prefect API)."""
 
@@ -26,7 +26,7 @@ def uids(fs, run_url: str, step: int) -> list[str]:
     ]
 
 
-def test_killed_after_the_second_generation_batch_resumes_exactly(tmp_path, prefect_api):
+def test_killed_after_the_second_round_resumes_exactly(tmp_path, prefect_api):
     root = str(tmp_path)
     fs = fs_for(root, None)
     rc, out = driver(
@@ -37,8 +37,8 @@ def test_killed_after_the_second_generation_batch_resumes_exactly(tmp_path, pref
     ref = step_meta(fs, f"{root}/ref")
     used = [g for s in range(1, STEPS + 1) for g in ref[s]["gen_batches"]]
     assert used == list(range(1, len(used) + 1)), "one stream of generation batches, in order"
-    # the first step that needed a third generation batch: kill it before that one commits
-    step = next(s for s in range(1, STEPS + 1) if len(ref[s]["gen_batches"]) >= 3)
+    # the first step that needed a third round: kill it before that one commits
+    step = next(s for s in range(1, STEPS + 1) if ref[s]["metrics"]["dynamic_sampling/rounds"] >= 3)
     run = f"{root}/chain"
     rc, out = driver(
         ["train", "configs/grpo_tiny.yaml", *DYNAMIC, f"storage.root={root}", "--run-id", "chain"],
@@ -50,11 +50,13 @@ def test_killed_after_the_second_generation_batch_resumes_exactly(tmp_path, pref
     assert not fs.exists(f"{run}/steps/{step}/rollout/COMMITTED")
     rc, out = driver(["resume", "chain", f"storage.root={root}"], prefect_api)
     assert rc == 0, out
-    for j, data in parts.items():  # committed generation batches were not generated again
+    for j, data in parts.items():  # committed rounds were not generated again
         assert fs.cat_file(f"{run}/steps/{step}/rollout-gen{j}/batch.safetensors") == data
     got = step_meta(fs, run)
     for s in range(1, STEPS + 1):
         assert got[s]["gen_batches"] == ref[s]["gen_batches"], f"step {s} consumed other prompts"
+        assert got[s]["gen_batch_prompts"] == ref[s]["gen_batch_prompts"]
+        assert got[s]["prompts"] == ref[s]["prompts"]
         assert uids(fs, run, s) == uids(fs, f"{root}/ref", s)
     (w, hist), (w_ref, hist_ref) = final_state(fs, run), final_state(fs, f"{root}/ref")
     for k in w_ref:

@@ -452,6 +452,13 @@ class FilterGroupsConfig(Section):
     max_num_gen_batches: int = Field(
         0, ge=0, description="generation batches per step at most; 0 = no limit"
     )
+    adaptive_rounds: bool = Field(
+        True,
+        description="after a step's first generation batch, each round rolls out the prompts "
+        "the kept rate so far says the missing groups take (at most rollout.micro_batch_size "
+        "/ rollout.n, and at least a batch), in one generate call; false: one generation "
+        "batch per round, as verl's DAPO recipe",
+    )
     on_exhausted: Literal["fail", "train"] = Field(
         "fail",
         description="at the limit with too few groups: fail (as verl's DAPO recipe) or train, "

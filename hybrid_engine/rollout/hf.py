@@ -101,7 +101,9 @@ def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(index, last)
 
 
-SHRINK = 4  # with nothing queued, drop the free slots once they are 1/SHRINK of the batch
+# free slots are refilled (rows queued) or dropped (none queued) once they are 1/REFILL of the
+# batch: one prefill or relayout per quarter of the batch, not one per ended row
+REFILL = 4
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -166,7 +168,7 @@ def decode(
         if pool is not None and not pool.active():
             pool = None  # every row ended: the rows queued start a fresh batch
         free = pool.free() if pool is not None else list(range(min(count, len(queue))))
-        if queue and (pool is None or join and len(free) >= max(1, count // 4)):
+        if queue and (pool is None or join and len(free) >= max(1, count // REFILL)):
             joining, queue = queue[: len(free)], queue[len(free) :]
             new_logits, cache, mask = prefill(
                 model,
@@ -181,14 +183,17 @@ def decode(
             else:
                 pool.place(free[: len(joining)], joining, cache, mask)
                 logits[free[: len(joining)]] = new_logits
-        elif not queue and len(free) >= max(1, len(pool.row) // SHRINK):
+        elif not queue and len(free) >= max(1, len(pool.row) // REFILL):
             logits = logits[pool.compact(drop_free=True)]
         active = pool.active()
         index = torch.tensor(active, device=device)
-        row = torch.tensor([pool.row[s] for s in active], device=device)
+        rows_now = [pool.row[s] for s in active]  # a list: no device sync per row below
+        row = torch.tensor(rows_now, device=device)
         z = logits[index].float()
         scores = warpers(out[:0], z)
-        token = sample_tokens(scores, sampling.greedy, [gens[r] for r in row] if gens else None)
+        token = sample_tokens(
+            scores, sampling.greedy, [gens[r] for r in rows_now] if gens else None
+        )
         t = emitted[row]
         out[row, t] = token
         if lps is not None:
