@@ -78,7 +78,7 @@ class Engine:
             if cfg.use_reward_model:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
         self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl)
-        self.next_gen_batch = 1  # dynamic sampling: the plain loop's data cursor
+        self.next_gen_batch, self.kept_of_prompts = 1, None  # the plain loop's DAPO cursor
         # the last update applied to the weights, {step, meta}: a retried commit uses it
         self.applied_update: dict[str, Any] | None = None
 
@@ -166,31 +166,32 @@ class Engine:
         load: Callable[[int], Batch | None] | None = None,
         save: Callable[[int, Batch], None] | None = None,
         on_turn: Callable[[int], None] | None = None,
+        prior: tuple[int, int] | None = None,
     ) -> Batch:
         """The rollout stage of step N: `rollout(N)`, or with `algorithm.filter_groups` the
-        DAPO loop over generation batches from `first_gen_batch` (default: the one after the
-        last this engine used), scored on the way (`hybrid_engine.rollout.dynamic_sampling`)."""
-        fg = self.cfg.algorithm.filter_groups
+        DAPO rounds from `first_gen_batch`, the first sized by `prior` (default: where the last
+        step this engine ran ended, and its rate), scored on the way (`dynamic_sampling`)."""
+        fg, cfg = self.cfg.algorithm.filter_groups, self.cfg
         if not fg.enabled:
             return self.rollout(step, on_turn=on_turn)
-        first = self.next_gen_batch if first_gen_batch is None else first_gen_batch
+        if first_gen_batch is None:
+            first_gen_batch, prior = self.next_gen_batch, self.kept_of_prompts
         batch = dynamic_rollout(
             lambda g, n: self.reward(self.rollout(step, g, on_turn, n_prompts=n)),
-            first,
-            self.cfg.data.train_batch_size,
+            first_gen_batch,
+            cfg.data.train_batch_size,
             fg.metric,
             fg.max_num_gen_batches,
             fg.on_exhausted,
             self.tokenizer.pad_token_id,
             fg.adaptive_rounds,
-            max(
-                self.cfg.data.train_batch_size,
-                self.cfg.rollout.micro_batch_size // self.cfg.rollout.n,
-            ),
+            max(cfg.data.train_batch_size, cfg.rollout.micro_batch_size // cfg.rollout.n),
             load,
             save,
+            prior,
         )
         self.next_gen_batch = batch.meta["next_gen_batch"]
+        self.kept_of_prompts = tuple(batch.meta["kept_of_prompts"])
         batch.meta["step"] = step
         return batch
 

@@ -164,7 +164,9 @@ class Replayer:
             if self.cfg.algorithm.filter_groups.enabled:
                 before = self.store.load_stage(step - 1, "rollout") if step > 1 else None
                 first = before.meta["next_gen_batch"] if before else 1
-                return e.sample(step, first, lambda j: None, lambda j, part: None), False
+                prior = before.meta.get("kept_of_prompts") if before else None
+                prior = tuple(prior) if prior else None
+                return e.sample(step, first, None, None, None, prior), False
             return e.rollout(step), False
         if stage == "reward":
             return e.reward(self._input(step, "rollout")), False

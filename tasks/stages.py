@@ -143,7 +143,8 @@ def rollout(engine: Engine, store: RunStore, step: int) -> StageResult:
         batch = engine.rollout(step, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}"))
     meta = {"metrics": batch.meta["metrics"], "weights_version": int(batch["weights_version"][0])}
     if "gen_batches" in batch.meta:  # the prompts this step consumed, and where the next starts
-        meta |= {k: batch.meta[k] for k in ("gen_batches", "gen_batch_prompts", "next_gen_batch")}
+        keys = ("gen_batches", "gen_batch_prompts", "next_gen_batch", "kept_of_prompts")
+        meta |= {k: batch.meta[k] for k in keys}
     meta["prompts"] = consumed(
         engine, batch.meta.get("gen_batches", [step]), batch.meta.get("gen_batch_prompts")
     )
@@ -179,10 +180,10 @@ def consumed(
 
 
 def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
-    """DAPO dynamic sampling with each generation batch committed on its own
-    (`steps/<N>/rollout-gen<j>`), so a crash mid-step regenerates none of them. The step
-    starts after the generation batches of the step before (its committed rollout says)."""
-    first = 1
+    """DAPO dynamic sampling with each round committed on its own (`steps/<N>/rollout-gen<j>`),
+    so a crash mid-step regenerates none of them. The step starts after the generation
+    batches of the step before, at its kept rate (its committed rollout says)."""
+    first, prior = 1, None
     if step > 1:
         before = store.load_stage(step - 1, "rollout")
         if before is None or "next_gen_batch" not in before.meta:
@@ -190,7 +191,7 @@ def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
                 f"step {step}: dynamic sampling starts after step {step - 1}'s generation "
                 "batches, but its committed rollout does not record them"
             )
-        first = before.meta["next_gen_batch"]
+        first, prior = before.meta["next_gen_batch"], before.meta.get("kept_of_prompts")
 
     def load(j: int) -> Any:
         got = store.load_stage(step, f"rollout-gen{j}")
@@ -199,9 +200,10 @@ def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
     def save(j: int, part: Any) -> None:
         store.commit_stage(step, f"rollout-gen{j}", part, {"gen_batch": part.meta["gen_batch"]})
 
-    return engine.sample(
-        step, first, load, save, on_turn=lambda k: fault_point(f"step-{step}/rollout:turn-{k}")
-    )
+    def on_turn(k: int) -> None:
+        fault_point(f"step-{step}/rollout:turn-{k}")
+
+    return engine.sample(step, first, load, save, on_turn, tuple(prior) if prior else None)
 
 
 @stage_task

@@ -56,6 +56,12 @@ def test_a_round_takes_the_prompts_the_kept_rate_asks_for():
     assert round_prompts(8, 6, 8, 32, True, None) == 3  # 2 missing at 3/4: ceil(2.67)
     assert round_prompts(8, 7, 16, 32, True, 12) == 3  # 1 missing at 7/16: ceil(2.29)
     assert round_prompts(8, 2, 8, 32, True, 5) == 5  # the limit's rest
+    # the first round at the rate of the step before, (groups kept, prompts used)
+    assert round_prompts(8, 0, 0, 32, True, None, (2, 8)) == 32  # 8 groups at 1/4
+    assert round_prompts(8, 0, 0, 32, True, None, (6, 8)) == 11  # at 3/4: ceil(10.67)
+    assert round_prompts(8, 0, 0, 32, True, None, (9, 8)) == 8  # at least a batch
+    assert round_prompts(8, 0, 0, 32, True, None, (0, 64)) == 32  # none kept: the cap
+    assert round_prompts(8, 0, 0, 32, False, None, (2, 8)) == 8
 
 
 def test_the_first_prompts_of_a_generation_batch_sample_as_in_the_whole_batch():
@@ -78,6 +84,12 @@ def test_rounds_follow_the_kept_rate_or_take_one_batch_each():
     assert sizes[:-1] == [4] * (len(sizes) - 1) and 1 <= sizes[-1] <= 4  # the last one cut
     assert m["dynamic_sampling/prompts_consumed"] == sum(sizes)
     assert m["dynamic_sampling/rounds"] < len(sizes)  # a round spanned generation batches
+    # the next step's first round is sized by this step's kept rate
+    engine = Engine(load_config("configs/grpo_tiny.yaml", rare))
+    first = engine.sample(1).meta["kept_of_prompts"]
+    rounds = []
+    engine.sample(2, save=lambda j, part: rounds.append(len(set(part["uid"]))))
+    assert rounds[0] == round_prompts(4, 0, 0, 16, True, None, tuple(first)) > 4
     off = [*rare, "algorithm.filter_groups.adaptive_rounds=false"]
     batch = Engine(load_config("configs/grpo_tiny.yaml", off)).sample(1)
     sizes = batch.meta["gen_batch_prompts"]

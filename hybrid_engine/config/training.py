@@ -454,10 +454,10 @@ class FilterGroupsConfig(Section):
     )
     adaptive_rounds: bool = Field(
         True,
-        description="after a step's first generation batch, each round rolls out the prompts "
-        "the kept rate so far says the missing groups take (at most rollout.micro_batch_size "
-        "/ rollout.n, and at least a batch), in one generate call; false: one generation "
-        "batch per round, as verl's DAPO recipe",
+        description="each round rolls out, in one generate call, the prompts a kept rate says "
+        "the missing groups take: the first round the previous step's rate (at least a "
+        "batch), later ones the step's own so far; at most rollout.micro_batch_size / "
+        "rollout.n; false: one generation batch per round, as verl's DAPO recipe",
     )
     on_exhausted: Literal["fail", "train"] = Field(
         "fail",
