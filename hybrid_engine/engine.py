@@ -12,7 +12,7 @@ The Prefect tasks call exactly these four methods.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -166,7 +166,7 @@ class Engine:
         load: Callable[[int], Batch | None] | None = None,
         save: Callable[[int, Batch], None] | None = None,
         on_turn: Callable[[int], None] | None = None,
-        prior: tuple[int, int] | None = None,
+        prior: Sequence[int] | None = None,
     ) -> Batch:
         """The rollout stage of step N: `rollout(N)`, or with `algorithm.filter_groups` the
         DAPO rounds from `first_gen_batch`, the first sized by `prior` (default: where the last
@@ -191,7 +191,7 @@ class Engine:
             prior,
         )
         self.next_gen_batch = batch.meta["next_gen_batch"]
-        self.kept_of_prompts = tuple(batch.meta["kept_of_prompts"])
+        self.kept_of_prompts = batch.meta["kept_of_prompts"]
         batch.meta["step"] = step
         return batch
 
@@ -213,12 +213,11 @@ class Engine:
         g = step if gen_batch is None else gen_batch
         metrics: dict[str, float] = {}
         version = self._rollout_weights(step, metrics)
-        rows, uids, k = [], [], g
-        while not rows or n_prompts is not None and len(rows) < n_prompts:
-            more = self.data.step_rows(k)[: None if n_prompts is None else n_prompts - len(rows)]
-            rows, uids, k = rows + more, uids + [f"{k}-{i}" for i in range(len(more))], k + 1
+        b = self.cfg.data.train_batch_size
+        n = n_prompts or b
+        rows = [row for k in range(g, g + -(-n // b)) for row in self.data.step_rows(k)][:n]
         prompts = prompt_batch(rows, self.tokenizer, self.cfg.data.max_prompt_length)
-        prompts["uid"] = uids
+        prompts["uid"] = [f"{g + i // b}-{i % b}" for i in range(n)]
         sampling = SamplingParams(
             r.max_new_tokens,
             r.temperature,

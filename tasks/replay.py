@@ -35,6 +35,7 @@ from hybrid_engine.engine import Engine
 from hybrid_engine.staleness import rollout_version
 from storage.store import RunStore
 from tasks.checkpoint import last_committed_update, load_checkpoint, save_checkpoint
+from tasks.stages import dynamic_start
 
 STAGE_ORDER = (*STAGES, "validate")
 VOLATILE = ("timing_s/", "perf/", "_")  # wall times, speeds, memory: not part of the result
@@ -163,10 +164,8 @@ class Replayer:
             e.publish_weights()
             if self.cfg.algorithm.filter_groups.enabled:
                 before = self.store.load_stage(step - 1, "rollout") if step > 1 else None
-                first = before.meta["next_gen_batch"] if before else 1
-                prior = before.meta.get("kept_of_prompts") if before else None
-                prior = tuple(prior) if prior else None
-                return e.sample(step, first, None, None, None, prior), False
+                first, prior = dynamic_start(before)
+                return e.sample(step, first, prior=prior), False
             return e.rollout(step), False
         if stage == "reward":
             return e.reward(self._input(step, "rollout")), False

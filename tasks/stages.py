@@ -179,19 +179,25 @@ def consumed(
     return out
 
 
+def dynamic_start(before: Any) -> tuple[int, list[int] | None]:
+    """Where a step's dynamic sampling starts, from the step before's committed rollout
+    (None for step 1): its next generation batch, and its (groups kept, prompts used)."""
+    if before is None:
+        return 1, None
+    return before.meta["next_gen_batch"], before.meta.get("kept_of_prompts")
+
+
 def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
     """DAPO dynamic sampling with each round committed on its own (`steps/<N>/rollout-gen<j>`),
     so a crash mid-step regenerates none of them. The step starts after the generation
     batches of the step before, at its kept rate (its committed rollout says)."""
-    first, prior = 1, None
-    if step > 1:
-        before = store.load_stage(step - 1, "rollout")
-        if before is None or "next_gen_batch" not in before.meta:
-            raise StageOrderError(
-                f"step {step}: dynamic sampling starts after step {step - 1}'s generation "
-                "batches, but its committed rollout does not record them"
-            )
-        first, prior = before.meta["next_gen_batch"], before.meta.get("kept_of_prompts")
+    before = store.load_stage(step - 1, "rollout") if step > 1 else None
+    if step > 1 and (before is None or "next_gen_batch" not in before.meta):
+        raise StageOrderError(
+            f"step {step}: dynamic sampling starts after step {step - 1}'s generation "
+            "batches, but its committed rollout does not record them"
+        )
+    first, prior = dynamic_start(before)
 
     def load(j: int) -> Any:
         got = store.load_stage(step, f"rollout-gen{j}")
@@ -203,7 +209,7 @@ def _dynamic_rollout(engine: Engine, store: RunStore, step: int) -> Any:
     def on_turn(k: int) -> None:
         fault_point(f"step-{step}/rollout:turn-{k}")
 
-    return engine.sample(step, first, load, save, on_turn, tuple(prior) if prior else None)
+    return engine.sample(step, first, load, save, on_turn, prior)
 
 
 @stage_task

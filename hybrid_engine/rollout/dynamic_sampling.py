@@ -36,7 +36,7 @@ they are kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -106,7 +106,7 @@ def round_prompts(
     cap: int,
     adaptive: bool,
     allowed: int | None,
-    prior: tuple[int, int] | None = None,
+    prior: Sequence[int] | None = None,
 ) -> int:
     """Prompts of the step's next round (module doc): without `adaptive`, one batch; else
     what the kept rate says the missing groups take, within [1, `cap`] and the `allowed`
@@ -136,7 +136,7 @@ def dynamic_rollout(
     cap: int | None = None,
     load: Callable[[int], Batch | None] | None = None,
     save: Callable[[int, Batch], None] | None = None,
-    prior: tuple[int, int] | None = None,
+    prior: Sequence[int] | None = None,
 ) -> Batch:
     """The step's training batch from as many rounds as it takes (module doc).
 
@@ -149,12 +149,11 @@ def dynamic_rollout(
     kept: list[str] = []  # uids of the varied groups, in generation order
     used: list[tuple[int, int]] = []  # (generation batch, prompts used of it)
     limit = max_num_gen_batches * groups
-    g = first_gen_batch
+    g, consumed = first_gen_batch, 0
     while True:
         j = len(parts) + 1
         part = load(j) if load is not None else None
         if part is None:
-            consumed = sum(n for _, n in used)
             allowed = limit - consumed if limit else None
             n = round_prompts(groups, len(kept), consumed, cap or groups, adaptive, allowed, prior)
             part = generate(g, n)
@@ -165,11 +164,11 @@ def dynamic_rollout(
         parts.append(part)
         first, n = part.meta["gen_batch"], len(set(part["uid"]))
         used += [(first + i // groups, min(groups, n - i)) for i in range(0, n, groups)]
-        g = used[-1][0] + 1
+        g, consumed = used[-1][0] + 1, consumed + n
         kept += list(dict.fromkeys(u for u, k in zip(part["uid"], part["kept"], strict=True) if k))
         if len(kept) >= groups:
             break
-        if limit and sum(n for _, n in used) >= limit:
+        if limit and consumed >= limit:
             if on_exhausted == "fail":
                 raise DynamicSamplingExhausted(
                     f"dynamic sampling: {len(used)} generation batches (algorithm.filter_groups."
@@ -195,7 +194,7 @@ def dynamic_rollout(
         "gen_batches": [b for b, _ in used],
         "gen_batch_prompts": [n for _, n in used],
         "next_gen_batch": g,
-        "kept_of_prompts": [len(kept), sum(n for _, n in used)],
+        "kept_of_prompts": [len(kept), consumed],
         "gen_tokens": tokens,
         "gen_tokens_per_s": per_s,
         "metrics": {
@@ -204,7 +203,7 @@ def dynamic_rollout(
             "perf/tokens_per_s_rollout": per_s,
             "dynamic_sampling/gen_batches": float(len(used)),
             "dynamic_sampling/rounds": float(len(parts)),
-            "dynamic_sampling/prompts_consumed": float(sum(n for _, n in used)),
+            "dynamic_sampling/prompts_consumed": float(consumed),
             "dynamic_sampling/kept_groups": float(len(kept)),
             "dynamic_sampling/trained_groups": float(len(set(kept[:groups]))),
         },
