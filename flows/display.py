@@ -187,3 +187,19 @@ def step_line(step: int, m: dict[str, Any], results: list[Any]) -> str:
         f"{_fmt(m, 'timing_s/step', '.1f')} s"
         + (f"  (from storage: {', '.join(skipped)})" if skipped else "")
     )
+
+
+def held_out_line(validation: list[tuple[int, float]], wall_s: float) -> str:
+    """The run's held-out accuracy before training and at its last validation (and its best,
+    when that was earlier), then the command's wall time: what a user looks at first."""
+    clock = f"wall time {_clock(wall_s)}"
+    if not validation:
+        return f"no validation ran (trainer.test_freq, trainer.val_before_train); {clock}"
+    before = [f"{a:.1%} before training" for step, a in validation if step == 0]
+    trained = [(step, a) for step, a in validation if step > 0]
+    after = [f"{trained[-1][1]:.1%} at step {trained[-1][0]}"] if trained else []
+    line = "held-out accuracy: " + " -> ".join(before + after)
+    best = max(trained, key=lambda v: v[1], default=None)
+    if best is not None and best[1] > trained[-1][1]:
+        line += f" (best {best[1]:.1%} at step {best[0]})"
+    return f"{line}; {clock}"

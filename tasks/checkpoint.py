@@ -188,4 +188,6 @@ def finish(engine: Engine, store: RunStore) -> dict[str, Any]:
     if done is None:
         model, adapter_state = engine.export()
         save_final(store, model, engine.tokenizer, engine.cfg, rows, adapter_state)
-    return {"uri": store.uri(FINAL), "steps": len(rows), "last": rows[-1] if rows else {}}
+    val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    last = rows[-1] if rows else {}
+    return {"uri": store.uri(FINAL), "steps": len(rows), "last": last, "validation": val}

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def test_train_saves_final_policy_and_summary(tmp_path):
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "run t1: 2 steps recorded" in p.stdout
+    assert re.search(r"held-out accuracy: .*\d+\.\d% at step 2.*; wall time \d:\d\d:\d\d", p.stdout)
     final = tmp_path / "t1" / "final"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "summary.json"):
         assert (final / name).is_file(), name

@@ -5,10 +5,11 @@ import io
 import threading
 import time
 
+import pytest
 import torch
 from rich.console import Console
 
-from flows.display import LiveDisplay
+from flows.display import LiveDisplay, held_out_line
 from hybrid_engine.batch import Batch
 from hybrid_engine.models.loading import load_policy
 from hybrid_engine.rollout.base import SamplingParams
@@ -96,3 +97,18 @@ def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, pr
     assert "tok/s" in drawn and "tokens" in drawn  # polled from the engine during rollout
     assert "2/2" in drawn and "ETA 0:00:00" in drawn and "s/step" in drawn
     assert "step 2 validate: done in" in drawn  # the last stage, as the display stops
+
+
+@pytest.mark.fast
+def test_the_run_ends_with_held_out_accuracy_before_and_after_and_its_wall_time():
+    line = held_out_line([(0, 0.19375), (10, 0.35), (20, 0.425), (30, 0.4)], 597.2)
+    assert line == (
+        "held-out accuracy: 19.4% before training -> 40.0% at step 30 "
+        "(best 42.5% at step 20); wall time 0:09:57"
+    )
+    assert (
+        held_out_line([(0, 0.2)], 5)
+        == "held-out accuracy: 20.0% before training; wall time 0:00:05"
+    )
+    assert held_out_line([(4, 0.5)], 65).startswith("held-out accuracy: 50.0% at step 4;")
+    assert "no validation ran" in held_out_line([], 1)

@@ -24,8 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Annotated
 
+import psutil
 import typer
 
 from flows.cli.options import (
@@ -145,6 +147,10 @@ def _run_flow(
             )
         if "val/accuracy" in rows:
             console.print(f"final val/accuracy: {rows['val/accuracy']:.3f}")
+        from flows.display import held_out_line
+
+        wall_s = time.time() - psutil.Process().create_time()  # the whole command
+        console.print(held_out_line(result.get("validation", []), wall_s))
         console.print(f"final policy: {result['uri']}")
         for line in notes:  # the old spellings the command was given
             console.print(line, style="yellow", highlight=False)
