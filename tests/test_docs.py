@@ -3,6 +3,7 @@ outside the navigation), its reference pages are generated from the code while i
 the README stays a landing page."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,20 @@ def test_the_readme_is_a_landing_page() -> None:
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines: move the detail into docs/"
     assert "    bash scripts/demo.sh" in lines and "    bash scripts/test.sh" in lines
+
+
+# A measured figure: a share, a duration, a rate, a test count. Each lives once, in docs/,
+# with its machine and date; the README links there.
+FIGURE = re.compile(
+    r"\d+(?:\.\d+)?\s?(?:%|s\b|min\b|minutes\b|seconds\b|hours?\b|tok/s|GiB|MB\b)"
+    r"|\b\d+ (?:tests|passed)\b|\b\d+:\d\d\b"
+)
+
+
+@pytest.mark.fast
+def test_the_readme_repeats_no_figure_the_docs_hold() -> None:
+    text = (ROOT / "README.md").read_text()
+    found = [m.group(0) for m in FIGURE.finditer(text)]
+    assert not found, f"README.md holds measured figures {found}: keep them in docs/, link there"
+    assert "docs/index.md#what-is-verified-and-what-is-not" in text  # the one status table
+    assert "| status | what |" not in text
