@@ -100,7 +100,7 @@ def train(
     if taken := lease.acquire(wait_s, logger.warning):  # LeaseHeld: a live driver trains it
         logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
         mark_driver_lost(cfg, store, taken)
-    store.guard = lease.check  # a driver taken over while it stalled commits nothing more
+    lease.fence(store)  # a driver taken over while it stalled writes nothing more
     recovery = Recovery(cfg, store)
     track = engine = None
     try:

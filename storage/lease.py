@@ -33,14 +33,11 @@ from typing import Any
 import psutil
 
 from hybrid_engine.processes import alive
-from storage.store import RunStore
+from storage.store import LEASE_DIR, LeaseHeld, RunStore
 
 log = logging.getLogger("hybridrl.storage")
-DIR = "lease"
-
-
-class LeaseHeld(RuntimeError):
-    """Another driver holds the run."""
+DIR = LEASE_DIR
+__all__ = ["DIR", "LeaseHeld", "RunLease", "held_line", "refuse_if_trained"]
 
 
 def _when(t: float) -> str:
@@ -79,6 +76,20 @@ class RunLease:
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.remote = False  # a pickled copy (another process): it checks storage
+
+    def __getstate__(self) -> dict[str, Any]:
+        keep = ("store", "timeout_s", "doc", "generation")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["store"], state["timeout_s"])
+        self.doc, self.generation, self.remote = state["doc"], state["generation"], True
+
+    def fence(self, store: RunStore) -> None:
+        """Make `store` refuse every write that changes the run once this lease is lost
+        (and record its generation in the markers it writes), also when pickled."""
+        store.guard, store.generation = self.check, self.generation
 
     # ---------------------------------------------------------------- reading
     def generations(self) -> list[int]:
@@ -180,11 +191,17 @@ class RunLease:
         self.store.put(f"{DIR}/{self.generation}.json", json.dumps(self.doc).encode(), atomic=True)
 
     def check(self) -> None:
-        """Raise LeaseHeld when another driver took the run over."""
+        """Raise LeaseHeld when another driver took the run over. A pickled copy (a
+        worker's store) reads the lease: its generation must still be the newest, held."""
+        if self.remote and not self.lost.is_set():
+            gen, doc = self.holder()
+            if gen != self.generation or doc is None or doc.get("released"):
+                self.lost.set()
         if self.lost.is_set():
             raise LeaseHeld(
                 f"run {self.store.run_id}: another driver took this run over while this one "
-                "stalled; this driver stops without writing more"
+                f"stalled, or its driver ended (lease generation {self.generation}); this "
+                "driver stops without writing more"
             )
 
     def release(self) -> None:
