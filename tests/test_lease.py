@@ -345,3 +345,50 @@ def test_stages_committed_before_the_fenced_lease_still_resume(store):
     store.commit_stage(1, "reward", None, {"metrics": {}})  # the run goes on from there
     assert store.is_committed(1, "reward")
     lease.release()
+
+
+@pytest.mark.fast
+def test_a_holder_whose_heartbeats_fail_stops_writing_by_itself(s3_endpoint):
+    """A storage partition: the holder's heartbeats fail, so another driver may take the run
+    over once they are older than the timeout; the holder stops writing by itself by then,
+    before it has heard of any takeover, and stays stopped when storage heals."""
+    from servers import TcpProxy
+
+    proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    bucket = f"partition-{int(time.time() * 1e6)}"
+    cfg = StorageConfig(
+        root=f"s3://{bucket}/runs", endpoint_url=f"http://127.0.0.1:{proxy.port}", retries=0
+    )
+    store = RunStore(cfg.model_copy(update={"timeout_s": 0.5}), "r1")
+    store.fs.mkdir(bucket)
+    lease = RunLease(store, timeout_s=1.0)
+    lease.acquire()
+    store.guard = lease.check
+    store.commit_stage(1, "rollout", None, {"by": "holder"})
+    proxy.cut()
+    time.sleep(1.5)  # past the timeout: heartbeats failed all along
+    proxy.restore()
+    with pytest.raises(LeaseHeld):
+        store.commit_stage(1, "reward", None, {"by": "holder"})
+    time.sleep(0.6)  # storage is back: the renew thread must not take the lease up again
+    with pytest.raises(LeaseHeld):
+        store.set_latest(step=1)
+    assert not store.exists("steps/1/reward/COMMITTED")
+    lease.release()
+    proxy.cut()
+
+
+@pytest.mark.fast
+def test_the_takeover_timeout_outlasts_the_holders_own_retries():
+    """One S3 request may take (retries + 1) x (connect + read timeout) plus backoff; the
+    lease timeout is derived from that, and a smaller one is refused naming the fields."""
+    cfg = StorageConfig(root="s3://b/runs", timeout_s=10, retries=2)
+    assert cfg.lease_timeout_s >= 3 * (2 + 1) * 2 * 10
+    assert StorageConfig(root="runs").lease_timeout_s == 60  # a local disk: no request bound
+    with pytest.raises(ValueError) as refused:
+        StorageConfig(root="s3://b/runs", timeout_s=60, retries=4, lease_timeout_s=60)
+    line = str(refused.value).splitlines()
+    assert any(
+        "storage.lease_timeout_s=60" in x and "storage.timeout_s" in x and "storage.retries" in x
+        for x in line
+    ), line
