@@ -33,7 +33,9 @@ from typing import Any
 import psutil
 
 from hybrid_engine.processes import alive
-from storage.store import LEASE_DIR, LeaseHeld, RunStore
+from storage.errors import LeaseHeld
+from storage.probe import check_conditional_create
+from storage.store import LEASE_DIR, RunStore
 
 log = logging.getLogger("hybridrl.storage")
 DIR = LEASE_DIR
@@ -138,6 +140,8 @@ class RunLease:
         waited for up to `wait_s` (a restart after a crash on another host: its heartbeat has
         to age past the timeout), with one line to `say`. Returns how an earlier holder's
         lease was taken over (None when there was none)."""
+        if not self.store.cfg.single_driver:  # a store that cannot give one writer refuses
+            check_conditional_create(self.store, f"{DIR}/probe-{self.doc['owner']}")
         deadline = time.monotonic() + wait_s
         for _ in range(5):  # a lost race re-reads the new holder
             gen, doc = self.holder()

@@ -23,6 +23,7 @@ safetensors, the rest to JSON: nothing stored can run code when read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -41,12 +42,16 @@ from fsspec.implementations.local import LocalFileSystem
 from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 from hybrid_engine.config import StorageConfig
 from hybrid_engine.models.sharding import NO_SPACE
+from storage.errors import ConditionalWriteError, LeaseHeld, unfit_line
 from storage.faults import fault_point
 from storage.lineage import Lineage
 
 log = logging.getLogger("hybridrl.storage")
 
 MARKER = "COMMITTED"
+# how a store that cannot create conditionally answers (S3 501 NotImplemented is ENOSYS,
+# 400 InvalidRequest EINVAL; a filesystem without hard links EPERM or EOPNOTSUPP)
+UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
 LEASE_DIR = "lease"  # the run's lease (storage.lease): the one prefix its guard lets through
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -73,10 +78,6 @@ class _Critical(threading.local):
 
 
 critical = _Critical()
-
-
-class LeaseHeld(RuntimeError):
-    """Another driver holds the run (or took it over from this one)."""
 
 
 def validate_run_id(run_id: str) -> str:
@@ -161,9 +162,8 @@ class RunStore:
             self.url = self.path = os.path.abspath(self.path)
         self._latest: dict[str, Any] | None = None
         self._lineage: Lineage | None | bool = False  # False: run.json not read yet
-        # the lease (`RunLease.fence`): called before every write that changes the run's
-        # state; it raises LeaseHeld once the run is not this driver's (pickled, it checks
-        # the lease in storage)
+        # the lease (`RunLease.fence`), called before every write that changes the run:
+        # LeaseHeld once the run is not this driver's (pickled, it reads the lease)
         self.guard: Callable[[], None] | None = None
         self.generation: int | None = None  # the lease generation this store writes as
 
@@ -225,23 +225,31 @@ class RunStore:
         writers racing, one gets True."""
         self._writing(rel)
         path = self._p(rel)
+        if self.cfg.single_driver:  # no conditional create: one driver, by declaration
+            if self.exists(rel):
+                return False
+            self.put(rel, data, atomic=True)
+            return True
         with critical():
-            if self.local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-                try:  # written whole, then linked: a reader never sees half of it
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(data)
-                    os.link(tmp, path)
-                except FileExistsError:
-                    return False
-                finally:
-                    os.unlink(tmp)
-                return True
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                if self.local:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+                    try:  # written whole, then linked: a reader never sees half of it
+                        with os.fdopen(fd, "wb") as f:
+                            f.write(data)
+                        os.link(tmp, path)
+                    finally:
+                        os.unlink(tmp)
+                else:
+                    self.fs.pipe_file(path, data, mode="create")
             except FileExistsError:
                 return False
+            except OSError as e:
+                if e.errno not in UNSUPPORTED:
+                    raise
+                why = f"rejects ({type(e).__name__}: {e})"
+                raise ConditionalWriteError(unfit_line(self.cfg.root, why)) from None
             return True
 
     def list(self, rel_dir: str) -> list[str]:

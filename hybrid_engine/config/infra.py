@@ -110,6 +110,13 @@ class StorageConfig(Section):
         "is gone). Unset: 3 x request_bound_s (one S3 request's worst case with its "
         "retries), at least 60; a smaller value is refused",
     )
+    single_driver: bool = Field(
+        False,
+        description="the store cannot create an object only if none exists (S3 "
+        "`If-None-Match: *`, a hard link on a local disk) and only one driver ever trains "
+        "a run at a time: the lease is taken with a plain write, which does not keep two "
+        "drivers racing for a run from both taking it",
+    )
     shared_filesystem: bool = Field(
         False,
         description="a local root is on a filesystem every Ray node mounts (NFS, "
