@@ -392,3 +392,21 @@ def test_the_takeover_timeout_outlasts_the_holders_own_retries():
         "storage.lease_timeout_s=60" in x and "storage.timeout_s" in x and "storage.retries" in x
         for x in line
     ), line
+
+
+@pytest.mark.fast
+def test_a_driver_that_released_its_lease_writes_no_more(store):
+    """Once released, another driver may take the run at once: the releasing one's store
+    (and a pickled copy of it) refuses every write."""
+    import pickle
+
+    lease = RunLease(store, timeout_s=60)
+    lease.acquire()
+    lease.fence(store)
+    copy = pickle.loads(pickle.dumps(store))
+    store.commit_stage(1, "rollout", None, {"by": "holder"})
+    lease.release()
+    for s in (store, copy):
+        with pytest.raises(LeaseHeld):
+            s.set_latest(step=9)
+    assert store.read_latest()["step"] == 1
