@@ -13,9 +13,13 @@ naming the holder and since when) unless the holder is gone:
 - from another host, when its heartbeat is older than `storage.lease_timeout_s`.
 
 A holder that finds a newer generation than its own (it stalled past the timeout and was
-taken over) stops renewing and reports `lost`; the flow ends before its next commit. The
-lease is removed when the flow ends. Heartbeats compare wall clocks of different hosts:
-they must agree to well within the timeout.
+taken over), or whose last heartbeat that reached storage began more than `timeout_s -
+bound_s` ago (a partition: every write it started has ended before a takeover), is lost
+for good. `fence(store)` makes every write of the store that changes the run raise
+LeaseHeld before it touches anything from then on, also in a pickled copy (which reads the
+lease). The lease is marked released when the flow ends, and the store writes no more.
+Heartbeats compare wall clocks of different hosts: they must agree to well within the
+timeout.
 """
 
 from __future__ import annotations
@@ -229,10 +233,11 @@ class RunLease:
                 "run %s: no lease heartbeat reached storage for %.0f s", self.store.run_id, age
             )
             self._lose(
-                f"run {self.store.run_id}: another driver took this run over or may have: "
-                f"no heartbeat of this driver reached storage for {age:.1f} s (it stops after {self.stop_after:g} s: storage.lease_timeout_s="
-                f"{self.timeout_s:g} minus one request's worst case, {self.bound_s:g} s), so "
-                "this driver stops without writing more"
+                f"run {self.store.run_id}: another driver took this run over or may have: no "
+                f"heartbeat of this driver reached storage for {age:.1f} s (it stops after "
+                f"{self.stop_after:g} s: storage.lease_timeout_s={self.timeout_s:g} minus one "
+                f"request's worst case, {self.bound_s:g} s); this driver stops without "
+                "writing more"
             )
         return self.lost.is_set()
 
@@ -245,7 +250,7 @@ class RunLease:
             stale = doc is not None and time.time() - doc["heartbeat"] > self.stop_after
             if gen != self.generation or doc is None or doc.get("released") or stale:
                 self._lose(TAKEN.format(run=self.store.run_id, gen=self.generation))
-        elif self.generation is not None:
+        elif self.generation is not None and not self.lost.is_set():
             self._lapsed()
         if self.lost.is_set():
             raise LeaseHeld(self.why or TAKEN.format(run=self.store.run_id, gen=self.generation))
@@ -261,6 +266,7 @@ class RunLease:
             if self.generations()[-1:] == [self.generation]:
                 self.doc["released"] = time.time()
                 self._write()
+        self._lose(f"run {self.store.run_id}: this driver released its lease; it writes no more")
         self.generation = None
 
     def __enter__(self) -> RunLease:
