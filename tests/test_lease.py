@@ -410,3 +410,24 @@ def test_a_driver_that_released_its_lease_writes_no_more(store):
         with pytest.raises(LeaseHeld):
             s.set_latest(step=9)
     assert store.read_latest()["step"] == 1
+
+
+@pytest.mark.fast
+def test_an_s3_run_stored_before_the_derived_timeout_still_resumes():
+    """run.json of an S3 run recorded before the timeout was derived holds the old default
+    storage.lease_timeout_s=60 (and no storage.single_driver): its config still loads, with
+    the derived timeout, so the run resumes."""
+    from hybrid_engine.config import load_config
+    from hybrid_engine.config.loading import config_from_dict
+
+    doc = load_config(None, []).model_dump(mode="json")
+    doc["storage"] = {
+        "root": "s3://b/runs",
+        "endpoint_url": None,
+        "timeout_s": 60.0,
+        "retries": 4,
+        "lease_timeout_s": 60.0,
+        "shared_filesystem": False,
+    }
+    cfg = config_from_dict(doc)
+    assert cfg.storage.lease_timeout_s == 3 * cfg.storage.request_bound_s
