@@ -152,6 +152,17 @@ class StorageConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
+    def _stored_before_derived(cls, data: Any) -> Any:
+        """A run.json recorded before the lease timeout was derived holds every key of this
+        section but single_driver, and the old default lease_timeout_s=60: read as unset."""
+        old = {"root", "endpoint_url", "timeout_s", "retries", "lease_timeout_s"}
+        stored = isinstance(data, dict) and set(data) == old | {"shared_filesystem"}
+        if stored and data["lease_timeout_s"] == 60:
+            data = {**data, "lease_timeout_s": None}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _no_secrets(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for key in data:
