@@ -95,12 +95,12 @@ def train(
     opened = open_run(config, overrides or [], run_id, resume_from, fork_from)
     cfg, store, resume = opened.cfg, opened.store, opened.resume
     name_flow_run(store.run_id)
-    lease = RunLease(store, cfg.storage.lease_timeout_s)
+    lease = RunLease(store, cfg.storage.lease_timeout_s, cfg.storage.request_bound_s)
     wait_s = 2 * cfg.storage.lease_timeout_s if restarted else 0  # the dead driver's lease
     if taken := lease.acquire(wait_s, logger.warning):  # LeaseHeld: a live driver trains it
         logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
         mark_driver_lost(cfg, store, taken)
-    store.guard = lease.check  # a driver taken over while it stalled commits nothing more
+    lease.fence(store)  # a driver taken over while it stalled writes nothing more
     recovery = Recovery(cfg, store)
     track = engine = None
     try:

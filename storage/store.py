@@ -23,6 +23,7 @@ safetensors, the rest to JSON: nothing stored can run code when read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -41,12 +42,17 @@ from fsspec.implementations.local import LocalFileSystem
 from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 from hybrid_engine.config import StorageConfig
 from hybrid_engine.models.sharding import NO_SPACE
+from storage.errors import ConditionalWriteError, LeaseHeld, unfit_line
 from storage.faults import fault_point
 from storage.lineage import Lineage
 
 log = logging.getLogger("hybridrl.storage")
 
 MARKER = "COMMITTED"
+# how a store that cannot create conditionally answers (S3 501 NotImplemented is ENOSYS,
+# 400 InvalidRequest EINVAL; a filesystem without hard links EPERM or EOPNOTSUPP)
+UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
+LEASE_DIR = "lease"  # the run's lease (storage.lease): the one prefix its guard lets through
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -117,38 +123,6 @@ def storage_options(cfg: StorageConfig, credentials: bool = False) -> dict[str, 
     return opts
 
 
-def check_storage(cfg: StorageConfig) -> None:
-    """`storage.root` can take a run, checked in seconds: a local directory is created if
-    missing and must be writable; on S3 the bucket must answer within storage.timeout_s
-    (one attempt). Raises one line naming storage.root."""
-    root = cfg.root
-    if not root.startswith("s3://"):
-        path = os.path.abspath(root)
-        try:
-            os.makedirs(path, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
-                pass
-        except OSError as e:
-            raise PermissionError(f"storage.root={root!r} is not writable: {e.strerror}") from None
-        return
-    opts = storage_options(cfg)
-    opts["config_kwargs"]["retries"] = {"max_attempts": 1, "mode": "standard"}
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
-    bucket = root.removeprefix("s3://").split("/")[0]
-    where = f" at {opts['endpoint_url']}" if "endpoint_url" in opts else ""
-    try:
-        fs.ls(bucket, refresh=True)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"storage.root={root!r}: no bucket {bucket!r}{where}") from None
-    except PermissionError as e:
-        raise PermissionError(f"storage.root={root!r}: access denied{where} ({e})") from None
-    except Exception as e:  # connection refused, timeouts, DNS: botocore's and aiohttp's own
-        raise ConnectionError(
-            f"storage.root={root!r}: the S3 endpoint{where} does not answer "
-            f"({type(e).__name__}; storage.timeout_s={cfg.timeout_s:g})"
-        ) from None
-
-
 def check_reach(cfg: StorageConfig, nodes: set[str]) -> None:
     """Every Ray node that reads or writes the run (the driver's and the pool workers') must
     see the same `storage.root`: a local directory is refused when they are several nodes,
@@ -188,10 +162,21 @@ class RunStore:
             self.url = self.path = os.path.abspath(self.path)
         self._latest: dict[str, Any] | None = None
         self._lineage: Lineage | None | bool = False  # False: run.json not read yet
-        self.guard: Callable[[], None] | None = None  # called before each commit (the lease)
+        # the lease (`RunLease.fence`), called before every write that changes the run:
+        # LeaseHeld once the run is not this driver's (pickled, it reads the lease)
+        self.guard: Callable[[], None] | None = None
+        self.generation: int | None = None  # the lease generation this store writes as
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "guard": None}  # the lease stays with its driver
+    def check_lease(self) -> None:
+        """Raise LeaseHeld when this store's driver no longer holds the run."""
+        if self.guard is not None:
+            self.guard()
+
+    def _writing(self, rel: str) -> None:
+        """Before any write or delete of `rel`: the lease's own objects aside, refused once
+        the lease is lost, so that nothing is touched."""
+        if not rel.startswith(f"{LEASE_DIR}/"):
+            self.check_lease()
 
     # ------------------------------------------------------------- objects
     def uri(self, rel: str) -> str:
@@ -204,6 +189,7 @@ class RunStore:
         """Write one object; returns its sha256. `atomic` matters on a local disk only
         (an S3 PUT is all or nothing): write a temporary file, then rename it; a failed
         write (a full disk) leaves no temporary file. A SIGTERM waits for the write."""
+        self._writing(rel)
         path = self._p(rel)
         with critical():
             if self.local:
@@ -235,25 +221,35 @@ class RunStore:
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write an object only if none exists there (locally a hard link, which fails where
-        a file exists; on S3 a PUT with `If-None-Match: *`): False when one does. Of two writers racing, one gets True."""
+        a file exists; on S3 a PUT with `If-None-Match: *`): False when one does. Of two
+        writers racing, one gets True."""
+        self._writing(rel)
         path = self._p(rel)
+        if self.cfg.single_driver:  # no conditional create: one driver, by declaration
+            if self.exists(rel):
+                return False
+            self.put(rel, data, atomic=True)
+            return True
         with critical():
-            if self.local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-                try:  # written whole, then linked: a reader never sees half of it
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(data)
-                    os.link(tmp, path)
-                except FileExistsError:
-                    return False
-                finally:
-                    os.unlink(tmp)
-                return True
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                if self.local:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+                    try:  # written whole, then linked: a reader never sees half of it
+                        with os.fdopen(fd, "wb") as f:
+                            f.write(data)
+                        os.link(tmp, path)
+                    finally:
+                        os.unlink(tmp)
+                else:
+                    self.fs.pipe_file(path, data, mode="create")
             except FileExistsError:
                 return False
+            except OSError as e:
+                if e.errno not in UNSUPPORTED:
+                    raise
+                why = f"rejects ({type(e).__name__}: {e})"
+                raise ConditionalWriteError(unfit_line(self.cfg.root, why)) from None
             return True
 
     def list(self, rel_dir: str) -> list[str]:
@@ -283,17 +279,27 @@ class RunStore:
         return self.put(rel, data, atomic=True)
 
     def remove(self, rel: str) -> None:
+        self._writing(rel)
         with critical():
             if self.fs.exists(self._p(rel)):
                 self.fs.rm(self._p(rel), recursive=True)
 
     # ------------------------------------------------------------- commits
     def commit(self, rel_dir: str, files: dict[str, str], meta: dict[str, Any]) -> str:
-        """Make `rel_dir` visible: one marker object naming every file and its sha256."""
-        if self.guard is not None:
-            self.guard()
+        """Make `rel_dir` visible: one marker object naming every file and its sha256, and
+        the lease generation that wrote it. The marker is created conditionally (the caller
+        removed an old one first): a rival's marker is never replaced."""
         doc = {"files": files, "committed_at": time.time(), "writer_pid": os.getpid(), **meta}
-        self.put_json(f"{rel_dir}/{MARKER}", doc)
+        if self.generation is not None:
+            doc["generation"] = self.generation
+        data = json.dumps(doc, indent=1, sort_keys=True).encode()
+        if not self.create(f"{rel_dir}/{MARKER}", data):
+            rival = (self._own_marker(rel_dir) or {}).get("generation")
+            raise LeaseHeld(
+                f"run {self.run_id}: {rel_dir} was committed by another driver (lease "
+                f"generation {rival}) while this one wrote it; this driver stops without "
+                "writing more"
+            )
         return self.uri(rel_dir)
 
     def _own_marker(self, rel_dir: str) -> dict[str, Any] | None:
@@ -391,6 +397,7 @@ class RunStore:
     def commit_checkpoint(self, step: int, files: dict[str, str], meta: dict[str, Any]) -> str:
         """Commit a checkpoint whose files the workers wrote (names relative to its dir)."""
         d = self.checkpoint_dir(step)
+        self.remove(f"{d}/{MARKER}")  # a checkpoint written again is invisible until committed
         files = dict(files)
         files["meta.json"] = self.put(f"{d}/meta.json", json.dumps(meta, sort_keys=True).encode())
         uri = self.commit(d, files, {"step": step})

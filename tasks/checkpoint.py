@@ -69,6 +69,7 @@ def save_checkpoint(engine: Engine, store: RunStore, step: int) -> str:
     """The trained roles' state and the KL coefficient as checkpoint step_N, committed."""
     d = store.checkpoint_dir(step)
     files: dict[str, str] = {}
+    store.check_lease()  # the workers write these files themselves, not through the store
     for name, role in _roles(engine).items():
         saved = role.save(store.uri(f"{d}/{name}"), _options(engine, store))
         files |= {f"{name}/{f}": sha for f, sha in saved.items()}

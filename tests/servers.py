@@ -167,3 +167,62 @@ class TcpProxy:
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
+
+
+class ConditionalProxy:
+    """An HTTP proxy to an S3 server that plays a store without conditional writes: a PUT's
+    `If-None-Match` header is dropped (`mode="ignore"`: the store ignores it) or answered
+    501 NotImplemented (`mode="reject"`); everything else is passed through unchanged."""
+
+    def __init__(self, target_port: int, mode: str) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                conditional = "if-none-match" in {k.lower() for k in headers}
+                if conditional and self.command == "PUT":
+                    proxy.seen += 1
+                    if mode == "reject":
+                        msg = b"<Error><Code>NotImplemented</Code><Message>no</Message></Error>"
+                        self.send_response(501)
+                        self.send_header("Content-Type", "application/xml")
+                        self.send_header("Content-Length", str(len(msg)))
+                        self.end_headers()
+                        self.wfile.write(msg)
+                        return
+                    headers = {k: v for k, v in headers.items() if k.lower() != "if-none-match"}
+                up = http.client.HTTPConnection("127.0.0.1", target_port, timeout=30)
+                up.request(self.command, self.path, body=body, headers=headers)
+                resp = up.getresponse()
+                data = resp.read()
+                self.send_response(resp.status, resp.reason)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                up.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.seen = 0  # conditional PUTs seen
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

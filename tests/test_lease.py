@@ -240,3 +240,194 @@ def test_a_restarted_crash_loop_stops_in_one_line_with_mlflow_failed(tmp_path, p
     assert client.get_run(doc["mlflow_run_id"]).info.status == "FINISHED"
     doc = json.loads((root / "loop" / "run.json").read_text())
     assert doc["driver_restarts"]["count"] == 0
+
+
+def snapshot(store) -> dict[str, bytes]:
+    """Every object of the run but the lease's own (its holder keeps renewing)."""
+    out = {}
+    for path in store.fs.find(store.path):
+        rel = path.removeprefix(store.path.lstrip("/") if not store.local else store.path)
+        rel = rel.lstrip("/")
+        if not rel.startswith(f"{DIR}/") and ".tmp-" not in rel:
+            out[rel] = store.fs.cat_file(path)
+    return out
+
+
+def taken_over(store) -> tuple[RunLease, RunStore]:
+    """`store`'s driver stalls, another driver takes the run over and commits step 1's
+    rollout, a checkpoint and run.json; the stalled one wakes and finds it lost the run.
+    Returns the new holder's lease and store."""
+    stalled = RunLease(store, timeout_s=0.4)
+    stalled.acquire()
+    store.guard = stalled.check
+    store.commit_stage(1, "rollout", None, {"by": "stalled"})
+    stalled._stop.set()  # it stops renewing, as a SIGSTOPped driver would
+    stalled._thread.join()
+    time.sleep(0.5)
+    mine = RunStore(store.cfg, store.run_id)
+    other = RunLease(mine, timeout_s=0.4)
+    assert other.acquire().startswith("no heartbeat for ")
+    mine.guard = other.check
+    mine.commit_stage(1, "rollout", None, {"by": "new holder"})
+    mine.commit_checkpoint(1, {}, {"by": "new holder"})
+    mine.write_run({"by": "new holder"})
+    stalled._start()  # it wakes up and finds it was taken over
+    deadline = time.monotonic() + 5
+    while not stalled.lost.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stalled.lost.is_set()
+    return other, mine
+
+
+@pytest.mark.fast
+def test_a_taken_over_driver_is_refused_before_it_changes_anything(store):
+    """Every write that changes the run's state is refused before it touches an object:
+    a redone stage does not un-commit the new holder's, a checkpoint writes no meta.json,
+    latest.json, run.json and deletes are refused too."""
+    other, mine = taken_over(store)
+    before = snapshot(store)
+    writes = {
+        "commit_stage": lambda: store.commit_stage(1, "rollout", None, {"by": "stalled"}),
+        "commit_checkpoint": lambda: store.commit_checkpoint(1, {}, {"by": "stalled"}),
+        "set_latest": lambda: store.set_latest(step=7),
+        "write_run": lambda: store.write_run({"by": "stalled"}),
+        "remove": lambda: store.remove("steps/1/rollout"),
+        "drop_checkpoint": lambda: store.drop_checkpoint(1),
+        "put_json": lambda: store.put_json("steps/1/rollout/meta.json", {}),
+    }
+    for name, write in writes.items():
+        with pytest.raises(LeaseHeld, match="another driver took this run over"):
+            write()
+        assert snapshot(store) == before, f"{name} changed the run before it was refused"
+    assert mine.load_stage(1, "rollout").meta == {"by": "new holder"}
+    other.release()
+
+
+@pytest.mark.fast
+def test_a_pickled_store_keeps_its_guard(store):
+    """The store that goes to other processes (pickled) writes while its driver holds the
+    run, and is refused, from storage alone, once another driver took it over."""
+    import pickle
+
+    lease = RunLease(store, timeout_s=60)
+    lease.acquire()
+    store.guard = lease.check
+    copy = pickle.loads(pickle.dumps(store))
+    copy.put("checkpoints/step_1/actor/w.bin", b"held")  # the holder's copy writes
+    lease._stop.set()
+    lease._thread.join()
+    lease.timeout_s = 0.01  # its heartbeat is old at once
+    time.sleep(0.05)
+    other = RunLease(RunStore(store.cfg, store.run_id), timeout_s=0.01)
+    assert other.acquire().startswith("no heartbeat for ")
+    with pytest.raises(LeaseHeld, match="another driver took this run over"):
+        copy.put("checkpoints/step_1/actor/w.bin", b"stale")
+    assert store.get("checkpoints/step_1/actor/w.bin") == b"held"
+    other.release()
+
+
+@pytest.mark.fast
+def test_stages_committed_before_the_fenced_lease_still_resume(store):
+    """A stage and a checkpoint in today's layout (markers without a generation), as a run
+    stored before the fence has them, read back, count as committed and are skipped."""
+    batch_doc = {"files": {}, "committed_at": 1.0, "writer_pid": 1, "step": 1}
+    meta = b'{"metrics": {"m": 1.0}}'
+    files = {"meta.json": store.put("steps/1/rollout/meta.json", meta)}
+    store.put_json("steps/1/rollout/COMMITTED", {**batch_doc, "files": files, "stage": "rollout"})
+    ck = {"meta.json": store.put("checkpoints/step_1/meta.json", b'{"kl_coef": 0.5}')}
+    store.put_json("checkpoints/step_1/COMMITTED", {**batch_doc, "files": ck})
+    lease = RunLease(store, timeout_s=60)
+    lease.acquire()
+    store.guard = lease.check
+    assert store.load_stage(1, "rollout").meta == {"metrics": {"m": 1.0}}
+    assert store.is_committed(1, "rollout") and store.checkpoints() == [1]
+    assert store.checkpoint_files(1)[1] == {"kl_coef": 0.5}
+    store.commit_stage(1, "reward", None, {"metrics": {}})  # the run goes on from there
+    assert store.is_committed(1, "reward")
+    lease.release()
+
+
+@pytest.mark.fast
+def test_a_holder_whose_heartbeats_fail_stops_writing_by_itself(s3_endpoint):
+    """A storage partition: the holder's heartbeats fail, so another driver may take the run
+    over once they are older than the timeout; the holder stops writing by itself by then,
+    before it has heard of any takeover, and stays stopped when storage heals."""
+    from servers import TcpProxy
+
+    proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    bucket = f"partition-{int(time.time() * 1e6)}"
+    cfg = StorageConfig(
+        root=f"s3://{bucket}/runs", endpoint_url=f"http://127.0.0.1:{proxy.port}", retries=0
+    )
+    store = RunStore(cfg.model_copy(update={"timeout_s": 0.5}), "r1")
+    store.fs.mkdir(bucket)
+    lease = RunLease(store, timeout_s=1.0)
+    lease.acquire()
+    store.guard = lease.check
+    store.commit_stage(1, "rollout", None, {"by": "holder"})
+    proxy.cut()
+    time.sleep(1.5)  # past the timeout: heartbeats failed all along
+    proxy.restore()
+    with pytest.raises(LeaseHeld):
+        store.commit_stage(1, "reward", None, {"by": "holder"})
+    time.sleep(0.6)  # storage is back: the renew thread must not take the lease up again
+    with pytest.raises(LeaseHeld):
+        store.set_latest(step=1)
+    assert not store.exists("steps/1/reward/COMMITTED")
+    lease.release()
+    proxy.cut()
+
+
+@pytest.mark.fast
+def test_the_takeover_timeout_outlasts_the_holders_own_retries():
+    """One S3 request may take (retries + 1) x (connect + read timeout) plus backoff; the
+    lease timeout is derived from that, and a smaller one is refused naming the fields."""
+    cfg = StorageConfig(root="s3://b/runs", timeout_s=10, retries=2)
+    assert cfg.lease_timeout_s >= 3 * (2 + 1) * 2 * 10
+    assert StorageConfig(root="runs").lease_timeout_s == 60  # a local disk: no request bound
+    with pytest.raises(ValueError) as refused:
+        StorageConfig(root="s3://b/runs", timeout_s=60, retries=4, lease_timeout_s=60)
+    line = str(refused.value).splitlines()
+    assert any(
+        "storage.lease_timeout_s=60" in x and "storage.timeout_s" in x and "storage.retries" in x
+        for x in line
+    ), line
+
+
+@pytest.mark.fast
+def test_a_driver_that_released_its_lease_writes_no_more(store):
+    """Once released, another driver may take the run at once: the releasing one's store
+    (and a pickled copy of it) refuses every write."""
+    import pickle
+
+    lease = RunLease(store, timeout_s=60)
+    lease.acquire()
+    lease.fence(store)
+    copy = pickle.loads(pickle.dumps(store))
+    store.commit_stage(1, "rollout", None, {"by": "holder"})
+    lease.release()
+    for s in (store, copy):
+        with pytest.raises(LeaseHeld):
+            s.set_latest(step=9)
+    assert store.read_latest()["step"] == 1
+
+
+@pytest.mark.fast
+def test_an_s3_run_stored_before_the_derived_timeout_still_resumes():
+    """run.json of an S3 run recorded before the timeout was derived holds the old default
+    storage.lease_timeout_s=60 (and no storage.single_driver): its config still loads, with
+    the derived timeout, so the run resumes."""
+    from hybrid_engine.config import load_config
+    from hybrid_engine.config.loading import config_from_dict
+
+    doc = load_config(None, []).model_dump(mode="json")
+    doc["storage"] = {
+        "root": "s3://b/runs",
+        "endpoint_url": None,
+        "timeout_s": 60.0,
+        "retries": 4,
+        "lease_timeout_s": 60.0,
+        "shared_filesystem": False,
+    }
+    cfg = config_from_dict(doc)
+    assert cfg.storage.lease_timeout_s == 3 * cfg.storage.request_bound_s

@@ -86,3 +86,48 @@ def test_credentials_come_from_the_environment_only(monkeypatch):
     assert "key" not in storage_options(cfg)  # s3fs reads the environment itself
     assert storage_options(cfg, credentials=True)["secret"] == "s3cr3t"  # for Ray workers
     assert storage_options(StorageConfig(root="/tmp/x"), credentials=True) == {}
+
+
+@pytest.mark.parametrize("mode", ["ignore", "reject"])
+def test_a_store_that_cannot_create_conditionally_is_refused_at_start(s3_endpoint, mode):
+    """moto 5 honours `If-None-Match: *` (a second create gets 412); through a real HTTP
+    proxy that drops the header, or answers it 501, the store cannot give a run one writer:
+    `check_storage` and the lease refuse it in one line (never a raw OSError), unless
+    storage.single_driver says only one driver ever trains a run there."""
+    import time
+
+    from servers import ConditionalProxy
+
+    from storage.lease import RunLease
+    from storage.probe import check_storage
+    from storage.store import RunStore
+
+    bucket = f"cond-{mode}-{int(time.time() * 1e6)}"
+    direct = StorageConfig(root=f"s3://{bucket}/runs", endpoint_url=s3_endpoint)
+    fs = RunStore(direct, "r1").fs
+    fs.mkdir(bucket)
+    check_storage(direct)  # the real server: accepted
+    assert fs.ls(bucket, refresh=True) == []  # the probe leaves nothing behind
+    proxy = ConditionalProxy(int(s3_endpoint.rsplit(":", 1)[1]), mode)
+    try:
+        cfg = StorageConfig(root=f"s3://{bucket}/runs", endpoint_url=proxy.url)
+        for attempt in (
+            lambda: check_storage(cfg),
+            lambda: RunLease(RunStore(cfg, "r1"), 60).acquire(),
+        ):
+            with pytest.raises(Exception) as refused:
+                attempt()
+            line = str(refused.value)
+            assert not isinstance(refused.value, OSError), repr(refused.value)
+            assert "\n" not in line and f"storage.root={cfg.root!r}" in line, line
+            assert "If-None-Match" in line and "storage.single_driver=true" in line, line
+        assert proxy.seen >= 2
+        single = StorageConfig(
+            root=f"s3://{bucket}/runs", endpoint_url=proxy.url, single_driver=True
+        )
+        check_storage(single)
+        lease = RunLease(RunStore(single, "r1"), 60)
+        assert lease.acquire() is None
+        lease.release()
+    finally:
+        proxy.close()

@@ -9,7 +9,7 @@ from hybrid_engine.config import ConfigError, HybridConfig
 from hybrid_engine.data import PromptData
 from hybrid_engine.models.loading import SMOLLM2, TINY, resolve_model_path
 from hybrid_engine.rewards import RewardError, RewardScorer
-from storage.store import check_storage
+from storage.probe import check_storage
 
 
 def preflight(cfg: HybridConfig) -> None:

@@ -102,18 +102,64 @@ class StorageConfig(Section):
     retries: int = Field(
         4, ge=0, description="botocore retries of one S3 request (standard mode, with backoff)"
     )
-    lease_timeout_s: float = Field(
-        60,
+    lease_timeout_s: float | None = Field(
+        None,
         ge=5,
         description="one driver per run: another driver takes the run over when the "
         "holder's heartbeat is this old (at once when the holder's process, on this host, "
-        "is gone)",
+        "is gone). Unset: 3 x request_bound_s (one S3 request's worst case with its "
+        "retries), at least 60; a smaller value is refused",
+    )
+    single_driver: bool = Field(
+        False,
+        description="the store cannot create an object only if none exists (S3 "
+        "`If-None-Match: *`, a hard link on a local disk) and only one driver ever trains "
+        "a run at a time: the lease is taken with a plain write, which does not keep two "
+        "drivers racing for a run from both taking it",
     )
     shared_filesystem: bool = Field(
         False,
         description="a local root is on a filesystem every Ray node mounts (NFS, "
         "Lustre, ...): a pool across several nodes may use it",
     )
+
+    @property
+    def request_bound_s(self) -> float:
+        """The longest one storage request may take with its retries: on S3 (retries + 1)
+        attempts of connect + read timeout, plus botocore's backoff (standard mode: at most
+        2^i s, capped at 20, before retry i); 0 on a local disk (no timeout to bound it)."""
+        if not self.root.startswith("s3://"):
+            return 0.0
+        backoff = sum(min(2.0**i, 20.0) for i in range(self.retries))
+        return (self.retries + 1) * 2 * self.timeout_s + backoff
+
+    @model_validator(mode="after")
+    def _lease_outlasts_retries(self) -> StorageConfig:
+        """A healthy holder's heartbeats may each take request_bound_s, and it must stop
+        writing one request_bound_s before a takeover: the timeout holds three."""
+        least = 3 * self.request_bound_s
+        if self.lease_timeout_s is None:
+            self.__dict__["lease_timeout_s"] = max(60.0, least)  # no re-validation
+        elif self.lease_timeout_s < least:
+            raise ValueError(
+                f"storage.lease_timeout_s={self.lease_timeout_s:g} is shorter than 3 x one "
+                f"request's worst case ({self.request_bound_s:g} s from storage.timeout_s="
+                f"{self.timeout_s:g} and storage.retries={self.retries}): a healthy driver "
+                f"could lose its run to its own retries; use at least {least:g}, leave it "
+                "unset (derived), or lower storage.timeout_s / storage.retries"
+            )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_derived(cls, data: Any) -> Any:
+        """A run.json recorded before the lease timeout was derived holds every key of this
+        section but single_driver, and the old default lease_timeout_s=60: read as unset."""
+        old = {"root", "endpoint_url", "timeout_s", "retries", "lease_timeout_s"}
+        stored = isinstance(data, dict) and set(data) == old | {"shared_filesystem"}
+        if stored and data["lease_timeout_s"] == 60:
+            data = {**data, "lease_timeout_s": None}
+        return data
 
     @model_validator(mode="before")
     @classmethod
