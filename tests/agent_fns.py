@@ -125,3 +125,29 @@ async def picky(client: openai.AsyncOpenAI, row: dict) -> float:
     if len(text) % 2:
         raise ValueError("odd")
     return len(text) / 50
+
+
+def _typed(kind: str) -> object:
+    import math
+
+    import numpy as np
+    import torch
+
+    return {
+        "float32": np.float32(0.1),
+        "int64": np.int64(2),
+        "bool_": np.bool_(True),
+        "tensor": torch.tensor(0.75),
+        "bool": False,
+        "nan": math.nan,
+        "inf": -math.inf,
+        "float32_nan": np.float32("nan"),
+        "tensor_2": torch.tensor([1.0, 2.0]),
+    }[kind]
+
+
+async def typed_reward(client: openai.AsyncOpenAI, row: dict, kind: str, wrap: bool) -> object:
+    """One call; returns the reward `kind` names (`_typed`), in a dict with `wrap`."""
+    await client.chat.completions.create(model="m", messages=row["prompt"], max_tokens=2)
+    reward = _typed(kind)
+    return {"reward": reward} if wrap else reward

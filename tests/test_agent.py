@@ -5,6 +5,7 @@ faults are counted and never stop the rollout; the same step gives the same batc
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -244,3 +245,30 @@ def test_config_errors_name_the_key():
         load_config("configs/grpo_tiny.yaml", ["rollout.agent.function=agent_fns:nope"])
     with pytest.raises(ConfigError, match="rollout.multi_turn.enabled"):
         load_config("configs/multiturn_tiny.yaml", ["rollout.agent.function=agent_fns:answer_sync"])
+
+
+@pytest.mark.parametrize(
+    "kind, wrap, expected",
+    [
+        ("float32", False, float(np.float32(0.1))),
+        ("int64", True, 2.0),
+        ("bool_", False, 1.0),
+        ("tensor", True, 0.75),
+        ("bool", False, 0.0),
+    ],
+)
+def test_numpy_torch_and_bool_rewards_are_trained_as_the_same_float(kind, wrap, expected):
+    engine = engine_for("typed_reward", f"rollout.agent.kwargs={{kind: {kind}, wrap: {wrap}}}")
+    batch = engine.reward(engine.rollout(1))
+    assert batch.meta["metrics"]["agent/fault_rate"] == 0
+    assert batch["scores"].tolist() == [torch.tensor(expected).item()] * 16
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "float32_nan", "tensor_2"])
+def test_non_finite_or_non_number_rewards_are_bad_returns_named(kind, caplog):
+    engine = engine_for("typed_reward", f"rollout.agent.kwargs={{kind: {kind}, wrap: false}}")
+    batch = engine.reward(engine.rollout(1))
+    assert batch.meta["metrics"]["agent/faults/bad_return"] == 16
+    assert batch["scores"].tolist() == [0.0] * 16
+    named = [r.getMessage() for r in caplog.records if r.name == "hybridrl.agent"]
+    assert len(named) == 16 and all("episode" in m and "bad_return" in m for m in named)
