@@ -5,8 +5,9 @@
     meanwhile, on this thread: take the waiting calls as one batch -> generate -> answer
     episodes -> sequences (token-exact, `episodes`) -> the rollout batch
 
-An agent returns a float, a dict with `reward` (and `info`: `success`, counts), or None to let
-the reward stage score its final answer. An agent that raises, runs past `timeout_s`, returns
+An agent returns a real number (Python, numpy or a 0-d torch scalar; a bool is 0/1; NaN and
+inf are bad returns), a dict with `reward` (and `info`: `success`, counts), or None to let
+the reward stage score the episode's final answer. An agent that raises, runs past `timeout_s`, returns
 anything else, sends a request the endpoint refuses or makes no call is a fault: counted by
 reason, named in one log line, its sample scored 0 or dropped (`on_fault`). Nothing stops the
 rollout. A finished episode is handed to `log.save` at once, and one `log.load` gives back is
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +30,7 @@ import openai
 import torch
 
 from hybrid_engine.batch import Batch
+from hybrid_engine.rewards import as_reward
 from hybrid_engine.rollout.agent.chat import completion_response, parse_completion
 from hybrid_engine.rollout.agent.endpoint import Hub, Pending, Server, call_seed, make_app
 from hybrid_engine.rollout.agent.episodes import Choice, Episode, episodes_batch, prompt_for
@@ -65,11 +66,10 @@ def outcome(value: Any) -> tuple[float | None, dict[str, Any]]:
             raise BadReturn(f"info of type {type(info).__name__}, not a dict")
         reward, _ = outcome(value["reward"])
         return reward, info
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadReturn(f"{type(value).__name__} {str(value)[:60]!r}, not a float")
-    if not math.isfinite(value):
-        raise BadReturn(f"a non-finite reward ({value})")
-    return float(value), {}
+    try:
+        return as_reward(value), {}
+    except ValueError as e:
+        raise BadReturn(str(e)) from None
 
 
 def in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], Any]) -> asyncio.Future:
