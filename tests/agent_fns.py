@@ -151,3 +151,22 @@ async def typed_reward(client: openai.AsyncOpenAI, row: dict, kind: str, wrap: b
     await client.chat.completions.create(model="m", messages=row["prompt"], max_tokens=2)
     reward = _typed(kind)
     return {"reward": reward} if wrap else reward
+
+
+FINALS: dict[str, str] = {}  # uid -> the final answer `split_then_none` got (validation)
+
+
+async def split_then_none(client: openai.AsyncOpenAI, row: dict) -> None:
+    """Two calls, the second from a rewritten history (a split); returns None, so the reward
+    stage scores the final answer: the second call's."""
+    first = await client.chat.completions.create(model="m", messages=row["prompt"])
+    summary = (first.choices[0].message.content or "")[:3]
+    second = await client.chat.completions.create(
+        model="m",
+        messages=[
+            *row["prompt"],
+            {"role": "assistant", "content": summary},
+            {"role": "user", "content": "Again, longer."},
+        ],
+    )
+    FINALS[row["uid"]] = second.choices[0].message.content or ""

@@ -5,6 +5,7 @@ faults are counted and never stop the rollout; the same step gives the same batc
 
 import copy
 
+import agent_fns
 import numpy as np
 import pytest
 import torch
@@ -272,3 +273,36 @@ def test_non_finite_or_non_number_rewards_are_bad_returns_named(kind, caplog):
     assert batch["scores"].tolist() == [0.0] * 16
     named = [r.getMessage() for r in caplog.records if r.name == "hybridrl.agent"]
     assert len(named) == 16 and all("episode" in m and "bad_return" in m for m in named)
+
+
+def test_none_scores_the_episodes_final_answer_on_every_row():
+    engine, log = (
+        engine_for("split_then_none", "reward.function=reward_fns:length_score"),
+        Log(),
+    )
+    batch = engine.reward(engine.rollout(1, episode_log=log))
+    assert batch.meta["metrics"]["agent/splits"] == 16 and len(batch) == 32
+    for i, doc in log.saved.items():
+        final = Episode.from_json(doc).calls[-1].choices[0].message["content"]
+        for j in rows_of(batch, i):  # the first chain's row too
+            assert batch["final_response"][j] == final
+            assert float(batch["scores"][j]) == pytest.approx(len(final) / 100)
+
+
+def test_validation_scores_the_episodes_final_answer():
+    engine = engine_for(
+        "split_then_none",
+        "reward.function=reward_fns:length_score",
+        "data.val_size=8",
+        "rollout.val.temperature=1.0",
+    )
+    agent_fns.FINALS.clear()
+    out = engine.validate(8)
+    n = len(engine.data.val)
+    finals = [agent_fns.FINALS[f"val-{i}"] for i in range(n)]
+    assert out["val/score/mean"] == pytest.approx(sum(len(f) / 100 for f in finals) / n)
+    samples = out["_samples"]
+    assert [s["score"] for s in samples] == pytest.approx([len(f) / 100 for f in finals])
+    assert all(
+        s["response"].rstrip().endswith(f.strip()) for s, f in zip(samples, finals, strict=True)
+    )
