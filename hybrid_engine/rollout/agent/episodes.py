@@ -113,6 +113,7 @@ class Sequence:
     tool_turns: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)
     final_text: str = ""
+    final: bool = False  # it ends with the episode's final answer
 
 
 def _grow(seq: Sequence, call: Call, choice: Choice) -> Sequence:
@@ -137,7 +138,8 @@ def _grow(seq: Sequence, call: Call, choice: Choice) -> Sequence:
 
 def sequences(calls: list[Call]) -> tuple[list[Sequence], int]:
     """The training sequences of an episode's calls, and its number of splits (calls that
-    start a new sequence although an earlier one exists)."""
+    start a new sequence although an earlier one exists). The one that ends with the last
+    call's first choice, the episode's final answer, is marked `final`."""
     open_: dict[tuple[int, int], Sequence] = {}  # (call, choice) -> the sequence it ends
     splits = 0
     for call in calls:
@@ -153,6 +155,8 @@ def sequences(calls: list[Call]) -> tuple[list[Sequence], int]:
                 raise AssertionError(f"call {call.index} does not extend its sequence")
         for c, choice in enumerate(call.choices):
             open_[(call.index, c)] = _grow(base, call, choice)
+    if calls and calls[-1].choices:
+        open_[(calls[-1].index, 0)].final = True
     return list(open_.values()), splits
 
 
@@ -166,8 +170,10 @@ def episodes_batch(
 ) -> tuple[Batch, dict[str, float]]:
     """The rollout batch of a step's episodes (one per row of `prompts`) and the `agent/`
     metrics. A faulted episode's sequences score 0 (`on_fault: zero`; one with no call is a
-    row with an empty response) or are left out (`drop`)."""
-    rows, trajs, splits, dropped = [], [], 0, 0
+    row with an empty response) or are left out (`drop`). Every sequence of an episode has
+    the episode's final answer as `final_response` (what the reward stage scores when the
+    agent returned None); `episode_final` marks the sequence that ends with it."""
+    rows, trajs, finals, splits, dropped = [], [], [], 0, 0
     faults: dict[str, int] = {}
     pad = tokenizer.pad_token_id
     for i, ep in enumerate(episodes):
@@ -183,7 +189,9 @@ def episodes_batch(
             seqs = [Sequence(ids, [pad], [0], [0.0], [])]
         reward = 0.0 if ep.fault else ep.reward
         success = ep.info.get("success")
+        final_text = next((s.final_text for s in seqs if s.final), seqs[-1].final_text)
         for s in seqs:
+            finals.append(s.final)
             rows.append(i)
             trajs.append(
                 Trajectory(
@@ -200,7 +208,7 @@ def episodes_batch(
                     tool_calls=s.tool_calls,
                     success=None if success is None or ep.fault else bool(success),
                     stop="fault" if ep.fault else "done",
-                    final_text=s.final_text,
+                    final_text=final_text,
                 )
             )
     if not trajs:
@@ -211,6 +219,7 @@ def episodes_batch(
     batch = trajectories_batch(prompts.take(rows), trajs, pad, with_log_probs, gen_s, 0.0, [])
     batch["agent_fault"] = [episodes[i].fault for i in rows]
     batch["episode"] = rows
+    batch["episode_final"] = finals
     n = len(episodes)
     metrics = {
         "agent/episodes": float(n),
