@@ -170,3 +170,26 @@ async def split_then_none(client: openai.AsyncOpenAI, row: dict) -> None:
         ],
     )
     FINALS[row["uid"]] = second.choices[0].message.content or ""
+
+
+async def template_boom(client: openai.AsyncOpenAI, row: dict) -> dict:
+    """A call whose message the chat template refuses (it raises on "BOOM"); catches the
+    error, then makes a good call."""
+    status = 0
+    try:
+        await client.chat.completions.create(
+            model="m", messages=[*row["prompt"], {"role": "user", "content": "BOOM"}]
+        )
+    except openai.APIStatusError as e:
+        status = e.status_code
+    await client.chat.completions.create(model="m", messages=row["prompt"])
+    return {"reward": 1.0, "info": {"status": status}}
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+async def offers_tool(client: openai.AsyncOpenAI, row: dict) -> float:
+    """One call that offers a tool (so the completion is parsed for tool calls)."""
+    await client.chat.completions.create(model="m", messages=row["prompt"], tools=[ADD])
+    return 1.0

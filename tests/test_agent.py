@@ -4,6 +4,7 @@ clients talk to the policy's endpoint; the training sequences are the recorded t
 faults are counted and never stop the rollout; the same step gives the same batch."""
 
 import copy
+import time
 
 import agent_fns
 import numpy as np
@@ -306,3 +307,64 @@ def test_validation_scores_the_episodes_final_answer():
     assert all(
         s["response"].rstrip().endswith(f.strip()) for s, f in zip(samples, finals, strict=True)
     )
+
+
+BOOM_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.content == 'BOOM' %}{{ raise_exception('this template refuses BOOM') }}{% endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+
+
+def test_a_chat_template_that_raises_is_a_400_and_a_fault():
+    engine = engine_for("template_boom")
+    engine.tokenizer = copy.deepcopy(engine.tokenizer)
+    engine.tokenizer.chat_template = BOOM_TEMPLATE
+    batch = engine.rollout(1)
+    m = batch.meta["metrics"]
+    assert m["agent/info/status/mean"] == 400
+    assert (
+        m["agent/faults/template_error"] == 16 and batch["agent_fault"] == ["template_error"] * 16
+    )
+
+
+# transformers' response_template that reads the whole completion as one JSON tool call: the
+# random model's text never parses
+JSON_ONLY = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\A",
+            "close_pattern": r"\Z",
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        }
+    },
+}
+
+
+def test_a_completion_the_response_template_cannot_parse_is_a_fault():
+    engine = engine_for("offers_tool")
+    engine.tokenizer = copy.deepcopy(engine.tokenizer)
+    engine.tokenizer.response_template = JSON_ONLY
+    batch = engine.rollout(1)
+    m = batch.meta["metrics"]
+    assert m["agent/faults/malformed_completion"] == 16 and m["agent/fault_rate"] == 1
+
+
+def test_time_queued_for_generation_is_not_the_agents(monkeypatch):
+    """A backend slower than timeout_s: the agents' own code is quick, so nothing times out."""
+    engine = engine_for("answer_then_revise", "rollout.agent.timeout_s=1")
+    real = engine.actor.generate
+
+    def slow(batch, sampling):
+        time.sleep(1.5)
+        return real(batch, sampling)
+
+    monkeypatch.setattr(engine.actor, "generate", slow)
+    batch = engine.rollout(1)
+    assert batch.meta["metrics"]["agent/fault_rate"] == 0
+    assert batch.meta["metrics"]["agent/calls/mean"] == 2
