@@ -172,18 +172,20 @@ async def split_then_none(client: openai.AsyncOpenAI, row: dict) -> None:
     FINALS[row["uid"]] = second.choices[0].message.content or ""
 
 
-async def template_boom(client: openai.AsyncOpenAI, row: dict) -> dict:
+STATUSES: list[int] = []  # the HTTP status each `template_boom` episode got
+
+
+async def template_boom(client: openai.AsyncOpenAI, row: dict) -> float:
     """A call whose message the chat template refuses (it raises on "BOOM"); catches the
     error, then makes a good call."""
-    status = 0
     try:
         await client.chat.completions.create(
             model="m", messages=[*row["prompt"], {"role": "user", "content": "BOOM"}]
         )
     except openai.APIStatusError as e:
-        status = e.status_code
+        STATUSES.append(e.status_code)
     await client.chat.completions.create(model="m", messages=row["prompt"])
-    return {"reward": 1.0, "info": {"status": status}}
+    return 1.0
 
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
