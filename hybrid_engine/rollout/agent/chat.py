@@ -7,7 +7,9 @@
     -> `completion_response` (the `chat.completion` object)
 
 A refused request raises `BadRequest` with a reason (`malformed_request`, `malformed_message`,
-`unknown_tool`, `context_length`) that the rollout counts as the episode's fault.
+`unknown_tool`, `context_length`, `template_error`; `malformed_completion` for a sampled text
+the tokenizer's `response_template` cannot parse) that the rollout counts as the episode's
+fault.
 """
 
 from __future__ import annotations
@@ -222,12 +224,20 @@ def parse_completion(
     tools (and `tool_choice` is not "none") by the tokenizer's `response_template`
     (transformers' `parse_response`) where it has one, else by the `<tool_call>{json}
     </tool_call>` convention. Text with a block that is not valid JSON or names a tool the
-    request does not offer stays content, with no tool calls."""
+    request does not offer stays content, with no tool calls; text the `response_template`
+    cannot parse raises `BadRequest` (`malformed_completion`)."""
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if not req.tools or req.tool_choice == "none":
         return msg
     if getattr(tokenizer, "response_template", None) is not None:
-        parsed = tokenizer.parse_response(text, prefix=prompt_ids, tools=req.tools)
+        try:
+            parsed = tokenizer.parse_response(text, prefix=prompt_ids, tools=req.tools)
+        except Exception as e:  # the policy's text does not fit the template's format
+            raise BadRequest(
+                "malformed_completion",
+                f"the tokenizer's response_template cannot parse the completion: "
+                f"{type(e).__name__}: {str(e)[:200]}",
+            ) from None
         calls = [
             (c["function"]["name"], c["function"].get("arguments") or {})
             for c in parsed.get("tool_calls") or []

@@ -31,7 +31,7 @@ import torch
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.rewards import as_reward
-from hybrid_engine.rollout.agent.chat import completion_response, parse_completion
+from hybrid_engine.rollout.agent.chat import BadRequest, completion_response, parse_completion
 from hybrid_engine.rollout.agent.endpoint import Hub, Pending, Server, call_seed, make_app
 from hybrid_engine.rollout.agent.episodes import Choice, Episode, episodes_batch, prompt_for
 from hybrid_engine.rollout.base import PREFIX_COUNTS, SamplingParams
@@ -40,7 +40,6 @@ from hybrid_engine.specs import load_spec
 
 log = logging.getLogger("hybridrl.agent")
 Generate = Callable[[Batch, SamplingParams], Batch]
-OVERDUE_GRACE_S = 10.0  # past timeout_s, an episode its event loop did not end is ended here
 
 
 class EpisodeLog(Protocol):
@@ -88,7 +87,7 @@ def in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], Any]) -> async
     def target() -> None:
         try:
             value, error = work(), None
-        except Exception as e:
+        except BaseException as e:  # SystemExit included: the episode's fault
             value, error = None, e
         loop.call_soon_threadsafe(settle, value, error)
 
@@ -133,7 +132,10 @@ def agent_rollout(
     # one HTTP connection pool for all the episodes' clients (an openai client of its own
     # builds an SSL context: ~50 ms each)
     limits = httpx.Limits(max_connections=4 * agent.max_concurrency)
-    http = (httpx.AsyncClient if is_async else httpx.Client)(limits=limits, timeout=agent.timeout_s)
+    # no read timeout: a call waits as long as its batch takes (timeout_s bounds the agent's
+    # own time, `Hub.take_batch`)
+    http = (httpx.AsyncClient if is_async else httpx.Client)(limits=limits, timeout=None)
+    tasks: dict[int, Any] = {}
     with Server(make_app(hub)) as server:
 
         async def run(i: int) -> None:
@@ -142,24 +144,21 @@ def agent_rollout(
                 base_url=server.url(hub.key_of[i]),
                 api_key="hybridrl",
                 max_retries=0,
-                timeout=agent.timeout_s,
+                timeout=None,
                 http_client=http,
             )
             reward, info, fault, detail = None, {}, "", ""
             try:
                 if is_async:
-                    work = fn(client, rows[i], **agent.kwargs)
+                    value = await fn(client, rows[i], **agent.kwargs)
                 else:
-                    work = in_thread(server.loop, lambda: fn(client, rows[i], **agent.kwargs))
-                reward, info = outcome(await asyncio.wait_for(work, agent.timeout_s))
-            except TimeoutError:
-                fault, detail = (
-                    "timeout",
-                    f"no result within rollout.agent.timeout_s={agent.timeout_s}",
-                )
+                    value = await in_thread(
+                        server.loop, lambda: fn(client, rows[i], **agent.kwargs)
+                    )
+                reward, info = outcome(value)
             except BadReturn as e:
                 fault, detail = "bad_return", f"returned {e}"
-            except Exception as e:
+            except BaseException as e:  # SystemExit too; a cancel after a timeout is ignored
                 fault, detail = "raised", f"{type(e).__name__}: {str(e)[:200]}"
             hub.finish(i, reward, info, fault, detail)
 
@@ -170,14 +169,18 @@ def agent_rollout(
                     break
                 if s == "queued":
                     hub.start(i)
-                    asyncio.run_coroutine_threadsafe(run(i), server.loop)
+                    tasks[i] = asyncio.run_coroutine_threadsafe(run(i), server.loop)
                     active += 1
 
         def overdue(i: int) -> None:
-            hub.finish(i, None, {}, "timeout", "its event loop was blocked past timeout_s")
+            detail = (
+                f"its own code ran past rollout.agent.timeout_s={agent.timeout_s} (time "
+                "waiting for its calls' answers not counted)"
+            )
+            if hub.finish(i, None, {}, "timeout", detail):
+                tasks[i].cancel()  # an async agent stops; a thread cannot be stopped
 
-        overdue_s = agent.timeout_s + OVERDUE_GRACE_S
-        while (batch := hub.take_batch(admit, overdue_s, overdue)) is not None:
+        while (batch := hub.take_batch(admit, agent.timeout_s, overdue)) is not None:
             start = time.perf_counter()
             answers = generate_calls(generate, tokenizer, batch, sampling, prefix)
             gen_s += time.perf_counter() - start
@@ -243,6 +246,7 @@ def generate_calls(
         top_p = sampling.top_p if p.req.top_p is None else p.req.top_p
         groups.setdefault((t, top_p), []).append(j)
     choices: list[list[Choice]] = [[] for _ in batch]
+    failed: dict[int, BadRequest] = {}
     for (t, top_p), members in groups.items():
         prompt_rows, seeds, limits, owners = [], [], [], []
         for j in members:
@@ -274,9 +278,17 @@ def generate_calls(
             n = min(int(out["response_mask"][r].sum()), limits[r])
             ids = out["response_ids"][r, :n].tolist()
             lps = out["rollout_log_probs"][r, :n].tolist()
-            choices[j].append(_choice(tokenizer, ids, lps, batch[j], len(choices[j])))
+            if j in failed:
+                continue
+            try:
+                choices[j].append(_choice(tokenizer, ids, lps, batch[j], len(choices[j])))
+            except BadRequest as e:  # malformed_completion: the episode's fault
+                failed[j] = e
     answers = []
-    for p, cs in zip(batch, choices, strict=True):
+    for j, (p, cs) in enumerate(zip(batch, choices, strict=True)):
+        if j in failed:
+            answers.append((500, failed[j].body()))
+            continue
         p.call.choices = cs
         body = completion_response(
             f"{p.episode}-{p.call.index}",
