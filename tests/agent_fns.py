@@ -195,3 +195,31 @@ async def offers_tool(client: openai.AsyncOpenAI, row: dict) -> float:
     """One call that offers a tool (so the completion is parsed for tool calls)."""
     await client.chat.completions.create(model="m", messages=row["prompt"], tools=[ADD])
     return 1.0
+
+
+def _first_of_group(row: dict) -> bool:
+    return row["uid"].endswith("-0")
+
+
+async def blocks_loop(client: openai.AsyncOpenAI, row: dict) -> float:
+    """One call; then, on the rows of the first prompt of each batch, blocks the event loop
+    (time.sleep in async code) for 20 s."""
+    await client.chat.completions.create(model="m", messages=row["prompt"], max_tokens=2)
+    if _first_of_group(row):
+        time.sleep(20)
+    return 1.0
+
+
+async def exits(client: openai.AsyncOpenAI, row: dict) -> float:
+    """One call; then SystemExit on the rows of the first prompt of each batch."""
+    await client.chat.completions.create(model="m", messages=row["prompt"], max_tokens=2)
+    if _first_of_group(row):
+        raise SystemExit(3)
+    return 1.0
+
+
+def exits_sync(client: openai.OpenAI, row: dict) -> float:
+    client.chat.completions.create(model="m", messages=row["prompt"], max_tokens=2)
+    if _first_of_group(row):
+        raise SystemExit(3)
+    return 1.0

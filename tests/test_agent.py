@@ -15,6 +15,7 @@ from hybrid_engine.config import ConfigError, load_config
 from hybrid_engine.engine import Engine
 from hybrid_engine.rollout.agent.chat import BadRequest, ChatRequest, parse_completion
 from hybrid_engine.rollout.agent.episodes import Episode
+from hybrid_engine.rollout.agent.examples import run_tool
 from hybrid_engine.rollout.multiturn import encode, render
 
 pytestmark = pytest.mark.fast
@@ -369,3 +370,33 @@ def test_time_queued_for_generation_is_not_the_agents(monkeypatch):
     batch = engine.rollout(1)
     assert batch.meta["metrics"]["agent/fault_rate"] == 0
     assert batch.meta["metrics"]["agent/calls/mean"] == 2
+
+
+def test_an_agent_blocking_the_event_loop_faults_the_episodes_it_stalls():
+    engine, log = engine_for("blocks_loop", "rollout.agent.timeout_s=1"), Log()
+    batch = engine.reward(engine.rollout(1, episode_log=log))
+    assert sorted(log.saved) == list(range(16))  # every episode saved, the rollout returned
+    blocked = [i for i in range(16) if batch["uid"][rows_of(batch, i)[0]].endswith("-0")]
+    assert len(blocked) == 4
+    assert all(batch["agent_fault"][rows_of(batch, i)[0]] == "timeout" for i in blocked)
+    stalled = batch.meta["metrics"]["agent/faults/timeout"]
+    assert 4 <= stalled == 16 * batch.meta["metrics"]["agent/fault_rate"]
+    assert batch["scores"].tolist() == [0.0 if f else 1.0 for f in batch["agent_fault"]]
+
+
+@pytest.mark.parametrize("fn", ["exits", "exits_sync"])
+def test_system_exit_in_an_agent_faults_its_episode_only(fn):
+    engine = engine_for(fn, TIMEOUT)
+    batch = engine.reward(engine.rollout(1))
+    m = batch.meta["metrics"]
+    assert m["agent/faults/raised"] == 4 and m["agent/fault_rate"] == 4 / 16
+    first = [u.endswith("-0") for u in batch["uid"]]
+    assert batch["agent_fault"] == ["raised" if f else "" for f in first]
+    assert batch["scores"].tolist() == [0.0 if f else 1.0 for f in first]
+
+
+def test_the_shipped_calculator_is_bounded():
+    assert run_tool('{"expression": "3 * (2 + 5)"}') == "21"
+    assert run_tool('{"expression": "2 ** 5000"}').startswith("error: ValueError")
+    assert run_tool('{"expression": "9 ** 9 ** 9"}').startswith("error: ValueError")
+    assert run_tool('{"expression": "(10 ** 1000) * (10 ** 1000)"}').startswith("error")
