@@ -40,6 +40,7 @@ from hybrid_engine.specs import load_spec
 
 log = logging.getLogger("hybridrl.agent")
 Generate = Callable[[Batch, SamplingParams], Batch]
+CLOSE_WAIT_S = 2.0  # the longest wait for the event loop to close the agents' HTTP client
 
 
 class EpisodeLog(Protocol):
@@ -187,7 +188,14 @@ def agent_rollout(
             hub.answer(batch, answers)
             saved = _save_finished(hub, episodes, done_before, saved, episode_log, on_episode)
         if is_async:
-            asyncio.run_coroutine_threadsafe(http.aclose(), server.loop).result(timeout=10)
+            closing = asyncio.run_coroutine_threadsafe(http.aclose(), server.loop)
+            try:  # an agent may still block the loop: its episodes have ended anyway
+                closing.result(timeout=CLOSE_WAIT_S)
+            except TimeoutError:
+                log.warning(
+                    "an async agent is blocking its event loop (blocking calls in async "
+                    "code); the episodes it stalled were ended as timeouts"
+                )
         else:
             http.close()
     _save_finished(hub, episodes, done_before, saved, episode_log, on_episode)
