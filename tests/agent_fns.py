@@ -223,3 +223,31 @@ def exits_sync(client: openai.OpenAI, row: dict) -> float:
     if _first_of_group(row):
         raise SystemExit(3)
     return 1.0
+
+
+async def own_temperature(client: openai.AsyncOpenAI, row: dict) -> float:
+    """Answer at temperature 0.5, then check the answer greedily (temperature 0): two calls
+    of one sequence, neither at the rollout's temperature."""
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model="m", messages=messages, temperature=0.5)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "Check it."},
+    ]
+    await client.chat.completions.create(model="m", messages=messages, temperature=0)
+    return float(len(first.choices[0].message.content or "") % 3)
+
+
+SAMPLING_ERRORS: list[str] = []  # the error codes `own_top_p` got
+
+
+async def own_top_p(client: openai.AsyncOpenAI, row: dict) -> float:
+    """A call at the rollout's top_p (1.0) is served; one with its own top_p or top_k is
+    refused (the update could not train on the distribution it sampled from)."""
+    await client.chat.completions.create(model="m", messages=row["prompt"], top_p=1.0)
+    for extra in ({"top_p": 0.5}, {"extra_body": {"top_k": 5}}):
+        try:
+            await client.chat.completions.create(model="m", messages=row["prompt"], **extra)
+        except openai.BadRequestError as e:
+            SAMPLING_ERRORS.append(e.code)
+    return 1.0

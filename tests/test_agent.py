@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybrid_engine.batch import Batch
 from hybrid_engine.config import ConfigError, load_config
 from hybrid_engine.engine import Engine
 from hybrid_engine.rollout.agent.chat import BadRequest, ChatRequest, parse_completion
@@ -400,3 +401,36 @@ def test_the_shipped_calculator_is_bounded():
     assert run_tool('{"expression": "2 ** 5000"}').startswith("error: ValueError")
     assert run_tool('{"expression": "9 ** 9 ** 9"}').startswith("error: ValueError")
     assert run_tool('{"expression": "(10 ** 1000) * (10 ** 1000)"}').startswith("error")
+
+
+def test_an_agents_own_temperature_is_trained_at_it():
+    """Calls at temperature 0.5 and 0 (greedy: log-probs of the model's own distribution,
+    T=1) in a rollout at temperature 1: the training side's log-probs equal the rollout's."""
+    engine = engine_for(
+        "own_temperature",
+        "algorithm.rollout_correction.level=token",
+        "actor.ppo_mini_batch_size=16",
+    )
+    batch = engine.advantage(engine.reward(engine.rollout(1)))
+    mask = batch["response_mask"].bool()
+    gap = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs()
+    assert float(gap.max()) < 1e-4
+    temps = batch["response_temperature"][mask]
+    assert set(temps.unique().tolist()) == {0.5, 1.0}  # 1.0: the greedy call's tokens
+    # the update's log-probs (one mini-batch: before any optimizer step) equal the old ones
+    m = engine.update(batch).meta["metrics"]
+    assert abs(m["actor/ppo_kl"]) < 1e-6 and m["actor/pg_clipfrac"] == 0
+    # a batch committed before the field existed: log-probs at rollout.temperature
+    old = Batch({k: v for k, v in batch.tensors.items() if k != "response_temperature"})
+    at_one = old.union(Batch({"response_temperature": torch.ones_like(mask, dtype=torch.float)}))
+    assert torch.equal(
+        engine.actor.compute_log_prob(old)["old_log_probs"],
+        engine.actor.compute_log_prob(at_one)["old_log_probs"],
+    )
+
+
+def test_an_agents_own_top_p_or_top_k_is_refused():
+    agent_fns.SAMPLING_ERRORS.clear()
+    batch = engine_for("own_top_p").rollout(1)
+    assert agent_fns.SAMPLING_ERRORS == ["unsupported_sampling"] * 32
+    assert batch.meta["metrics"]["agent/faults/unsupported_sampling"] == 16
