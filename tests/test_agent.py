@@ -434,3 +434,34 @@ def test_an_agents_own_top_p_or_top_k_is_refused():
     batch = engine_for("own_top_p").rollout(1)
     assert agent_fns.SAMPLING_ERRORS == ["unsupported_sampling"] * 32
     assert batch.meta["metrics"]["agent/faults/unsupported_sampling"] == 16
+
+
+def test_per_token_temperatures_give_each_tokens_log_probs_and_gradients(tokenizer):
+    """A (rows, response) temperature tensor: each token's values and gradients are those of
+    a scalar temperature run at its own temperature, padded and packed."""
+    from test_packing import grpo_like_batch
+
+    from hybrid_engine.config import ModelConfig
+    from hybrid_engine.models.loading import load_policy
+    from hybrid_engine.models.logprobs import packed_response_log_probs, response_log_probs
+
+    model = load_policy(ModelConfig(path="tiny"), tokenizer, seed=0).train()
+    ids, mask, n = grpo_like_batch(tokenizer.pad_token_id, tokenizer.eos_token_id)
+    hot = torch.zeros(len(ids), n, dtype=torch.bool)
+    hot[::2, 1::2] = True  # a checkerboard of tokens at 0.5, the others at 1.3
+    temps = torch.where(hot, 0.5, 1.3)
+    head = model.get_output_embeddings().weight
+    for fn in (response_log_probs, packed_response_log_probs):
+        model.zero_grad()
+        mixed, ent = fn(model, ids, mask, n, temps, with_entropy=True)
+        (mixed.sum() + ent.sum()).backward()
+        grad_mixed = head.grad.clone()
+        expected, grad_expected = torch.zeros_like(mixed), torch.zeros_like(head)
+        for t, where in ((0.5, hot), (1.3, ~hot)):
+            model.zero_grad()
+            lp, e = fn(model, ids, mask, n, t, with_entropy=True)
+            (lp[where].sum() + e[where].sum()).backward()
+            expected[where] = lp.detach()[where]
+            grad_expected += head.grad
+        assert torch.allclose(mixed.detach(), expected, atol=1e-6)
+        assert torch.allclose(grad_mixed, grad_expected, atol=1e-5)
