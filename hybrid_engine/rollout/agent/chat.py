@@ -7,7 +7,7 @@
     -> `completion_response` (the `chat.completion` object)
 
 A refused request raises `BadRequest` with a reason (`malformed_request`, `malformed_message`,
-`unknown_tool`, `context_length`, `template_error`; `malformed_completion` for a sampled text
+`unknown_tool`, `context_length`, `template_error`, `unsupported_sampling`; `malformed_completion` for a sampled text
 the tokenizer's `response_template` cannot parse) that the rollout counts as the episode's
 fault.
 """
@@ -84,6 +84,26 @@ class ChatRequest(BaseModel):
                 "top_logprobs",
             )
         return req
+
+    def check_sampling(self, top_p: float, top_k: int) -> None:
+        """Refuse a top_p or top_k other than the rollout's: the update's log-probs are those
+        of the full softmax at the call's temperature, which a truncated sample was not
+        drawn from."""
+        k = (self.model_extra or {}).get("top_k")
+        if self.top_p is not None and self.top_p != top_p:
+            raise BadRequest(
+                "unsupported_sampling",
+                f"top_p: a call's own top_p ({self.top_p}) is not trained on; omit it or use "
+                f"rollout.top_p ({top_p})",
+                "top_p",
+            )
+        if k is not None and not (k == top_k or (k in (0, -1) and top_k == 0)):
+            raise BadRequest(
+                "unsupported_sampling",
+                f"top_k: a call's own top_k ({k}) is not trained on; omit it or use "
+                f"rollout.top_k ({top_k})",
+                "top_k",
+            )
 
     @property
     def stops(self) -> list[str]:

@@ -59,6 +59,8 @@ class Hub:
         prepare: Callable[[list[Call], list[dict], list[dict] | None], tuple[list[int], Any]],
         max_context: int,
         version: int,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> None:
         self.cond = threading.Condition()
         self.episodes = episodes
@@ -69,6 +71,7 @@ class Hub:
         self.keys = {secrets.token_hex(8): i for i in range(len(episodes))}
         self.key_of = {i: k for k, i in self.keys.items()}
         self.prepare, self.max_context, self.version = prepare, max_context, version
+        self.top_p, self.top_k = top_p, top_k  # the rollout's: a call may not set others
         self.calls_made = [0] * len(episodes)
 
     # ------------------------------------------------------------ event-loop side
@@ -87,6 +90,7 @@ class Hub:
             ep = self.episodes[i]
             try:
                 req = ChatRequest.parse(body)
+                req.check_sampling(self.top_p, self.top_k)
                 messages = template_messages(req)
                 try:
                     prompt_ids, extends = self.prepare(ep.calls, messages, req.tools)

@@ -107,8 +107,8 @@ def agent_rollout(
     on_episode: Callable[[int], None] | None = None,
 ) -> Batch:
     """Episodes for the rows of `prompts` with `agent` (`rollout.agent`): each call samples
-    at most `sampling.max_new_tokens` with the call's temperature and top_p (the rollout's
-    where the call gives none). `on_episode(k)` after the k-th episode is saved."""
+    at most `sampling.max_new_tokens` with the call's temperature (the rollout's where the
+    call gives none; a call's own top_p or top_k is refused). `on_episode(k)` after the k-th episode is saved."""
     fn = load_spec(agent.function, "rollout.agent.function")
     is_async = inspect.iscoroutinefunction(fn)
     rows = [{k: prompts[k][i] for k in prompts.non_tensors} for i in range(len(prompts))]
@@ -125,7 +125,7 @@ def agent_rollout(
         return prompt_for(tokenizer, calls, messages, tools, closing)
 
     resumed = set(done_before)
-    hub = Hub(episodes, prepare, agent.max_context_tokens, version)
+    hub = Hub(episodes, prepare, agent.max_context_tokens, version, sampling.top_p, sampling.top_k)
     for i in done_before:
         hub.status[i] = "done"
     gen_s, saved = 0.0, len(done_before)
@@ -210,7 +210,13 @@ def agent_rollout(
                 "dropped" if agent.on_fault == "drop" else "scored 0",
             )
     batch, metrics = episodes_batch(
-        prompts, episodes, tokenizer, agent.on_fault, sampling.log_probs, gen_s
+        prompts,
+        episodes,
+        tokenizer,
+        agent.on_fault,
+        sampling.log_probs,
+        gen_s,
+        sampling.temperature or 1.0,
     )
     batch.meta["agent_metrics"] = metrics | {"agent/resumed": float(len(resumed))}
     batch.meta.update({k: prefix[k] for k in PREFIX_COUNTS})  # read by multi_turn_metrics
@@ -246,16 +252,18 @@ def generate_calls(
     prefix: dict[str, int] | None = None,
 ) -> list[tuple[int, dict]]:
     """(HTTP status, body) per call: its choices generated in one backend call per distinct
-    (temperature, top_p), each choice with its own seed. `prefix` counts the backend calls of
+    temperature (the call's, else the rollout's; top_p and top_k are the rollout's), each
+    choice with its own seed. Each call records the temperature its log-probs are at: its
+    own, 1 for a greedy (0) call, as the backends compute them. `prefix` counts the backend calls of
     the rollout and adds up their prefix-cache counts."""
-    groups: dict[tuple[float, float], list[int]] = {}
+    groups: dict[float, list[int]] = {}
     for j, p in enumerate(batch):
         t = sampling.temperature if p.req.temperature is None else p.req.temperature
-        top_p = sampling.top_p if p.req.top_p is None else p.req.top_p
-        groups.setdefault((t, top_p), []).append(j)
+        p.call.temperature = t or 1.0
+        groups.setdefault(t, []).append(j)
     choices: list[list[Choice]] = [[] for _ in batch]
     failed: dict[int, BadRequest] = {}
-    for (t, top_p), members in groups.items():
+    for t, members in groups.items():
         prompt_rows, seeds, limits, owners = [], [], [], []
         for j in members:
             p = batch[j]
@@ -271,7 +279,7 @@ def generate_calls(
                 "row_seed": torch.tensor(seeds, dtype=torch.long),
             }
         )
-        params = replace(sampling, max_new_tokens=max(limits), temperature=t, top_p=top_p)
+        params = replace(sampling, max_new_tokens=max(limits), temperature=t)
         # the episode's next call starts with this context: keep it (freed when training
         # starts); the rollout's first call starts from an empty cache
         reuse = prefix is not None and prefix["calls"] > 0
