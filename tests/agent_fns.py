@@ -251,3 +251,15 @@ async def own_top_p(client: openai.AsyncOpenAI, row: dict) -> float:
         except openai.BadRequestError as e:
             SAMPLING_ERRORS.append(e.code)
     return 1.0
+
+
+async def asks_too_much(client: openai.AsyncOpenAI, row: dict) -> dict:
+    """One call asking for far more tokens than rollout.max_new_tokens."""
+    out = await client.chat.completions.create(
+        model="m", messages=row["prompt"], max_tokens=1000, logprobs=True
+    )
+    choice = out.choices[0]
+    return {
+        "reward": 1.0,
+        "info": {"tokens": len(choice.logprobs.content), "used": out.usage.completion_tokens},
+    }

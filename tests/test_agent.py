@@ -465,3 +465,38 @@ def test_per_token_temperatures_give_each_tokens_log_probs_and_gradients(tokeniz
             grad_expected += head.grad
         assert torch.allclose(mixed.detach(), expected, atol=1e-6)
         assert torch.allclose(grad_mixed, grad_expected, atol=1e-5)
+
+
+def test_a_prompt_past_max_context_tokens_is_refused(caplog):
+    engine = engine_for("answer_then_revise", "rollout.agent.max_context_tokens=10")
+    batch = engine.rollout(1)
+    assert batch.meta["metrics"]["agent/faults/context_length"] == 16
+    named = [r.getMessage() for r in caplog.records if r.name == "hybridrl.agent"]
+    assert len(named) == 16 and all("max_context_tokens=10" in m for m in named)
+
+
+def test_max_tokens_above_the_cap_is_cut_to_it():
+    engine = engine_for("asks_too_much")  # rollout.max_new_tokens=8
+    batch = engine.rollout(1)
+    m = batch.meta["metrics"]
+    assert m["agent/fault_rate"] == 0 and m["agent/info/tokens/mean"] == m["agent/info/used/mean"]
+    assert all(len(trained(batch, j)) <= 8 for j in range(len(batch)))
+    assert 0 < m["agent/info/tokens/mean"] <= 8
+
+
+def test_unknown_and_ended_episode_keys_are_refused(tokenizer):
+    import httpx
+
+    from hybrid_engine.rollout.agent.endpoint import Hub, Server, make_app
+
+    hub = Hub([Episode(), Episode()], lambda *a: ([1, 2], None), 64, 0)
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    with Server(make_app(hub)) as server:
+        unknown = httpx.post(f"{server.url('0123abcd')}/chat/completions", json=body)
+        hub.finish(0, 1.0, {}, "", "")
+        ended = httpx.post(f"{server.url(hub.key_of[0])}/chat/completions", json=body)
+        no_key = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_episode"
+    assert ended.status_code == 409 and ended.json()["error"]["code"] == "episode_ended"
+    assert no_key.status_code == 400 and no_key.json()["error"]["code"] == "unknown_episode"
+    assert hub.status == ["done", "queued"] and not hub.pending
