@@ -7,10 +7,11 @@
 
 An agent returns a real number (Python, numpy or a 0-d torch scalar; a bool is 0/1; NaN and
 inf are bad returns), a dict with `reward` (and `info`: `success`, counts), or None to let
-the reward stage score the episode's final answer. An agent that raises, runs past `timeout_s`, returns
-anything else, sends a request the endpoint refuses or makes no call is a fault: counted by
-reason, named in one log line, its sample scored 0 or dropped (`on_fault`). Nothing stops the
-rollout. A finished episode is handed to `log.save` at once, and one `log.load` gives back is
+the reward stage score the episode's final answer. An agent that raises (any BaseException),
+runs its own code past `timeout_s` (time its calls wait for generation not counted; an agent
+blocking the event loop stalls the others, which time out too), returns anything else, sends
+a request the endpoint refuses or makes no call is a fault: counted by reason, named in one
+log line, its sample scored 0 or dropped (`on_fault`). Nothing stops the rollout. A finished episode is handed to `log.save` at once, and one `log.load` gives back is
 not run again: a rollout killed midway resumes with those episodes as they were.
 """
 
