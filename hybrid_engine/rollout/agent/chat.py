@@ -7,9 +7,9 @@
     -> `completion_response` (the `chat.completion` object)
 
 A refused request raises `BadRequest` with a reason (`malformed_request`, `malformed_message`,
-`unknown_tool`, `context_length`, `template_error`, `unsupported_sampling`; `malformed_completion` for a sampled text
-the tokenizer's `response_template` cannot parse) that the rollout counts as the episode's
-fault.
+`unknown_tool`, `context_length`, `template_error`, `unsupported_sampling`;
+`malformed_completion` for a sampled text the tokenizer's `response_template` cannot parse)
+that the rollout counts as the episode's fault.
 """
 
 from __future__ import annotations

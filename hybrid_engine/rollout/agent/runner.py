@@ -11,8 +11,9 @@ the reward stage score the episode's final answer. An agent that raises (any Bas
 runs its own code past `timeout_s` (time its calls wait for generation not counted; an agent
 blocking the event loop stalls the others, which time out too), returns anything else, sends
 a request the endpoint refuses or makes no call is a fault: counted by reason, named in one
-log line, its sample scored 0 or dropped (`on_fault`). Nothing stops the rollout. A finished episode is handed to `log.save` at once, and one `log.load` gives back is
-not run again: a rollout killed midway resumes with those episodes as they were.
+log line, its sample scored 0 or dropped (`on_fault`). Nothing stops the rollout. A finished
+episode is handed to `log.save` at once, and one `log.load` gives back is not run again: a
+rollout killed midway resumes with those episodes as they were.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def agent_rollout(
 ) -> Batch:
     """Episodes for the rows of `prompts` with `agent` (`rollout.agent`): each call samples
     at most `sampling.max_new_tokens` with the call's temperature (the rollout's where the
-    call gives none; a call's own top_p or top_k is refused). `on_episode(k)` after the k-th episode is saved."""
+    call gives none; a call's own top_p or top_k is refused). `on_episode(k)` after the k-th
+    episode is saved."""
     fn = load_spec(agent.function, "rollout.agent.function")
     is_async = inspect.iscoroutinefunction(fn)
     rows = [{k: prompts[k][i] for k in prompts.non_tensors} for i in range(len(prompts))]
@@ -255,8 +257,8 @@ def generate_calls(
     """(HTTP status, body) per call: its choices generated in one backend call per distinct
     temperature (the call's, else the rollout's; top_p and top_k are the rollout's), each
     choice with its own seed. Each call records the temperature its log-probs are at: its
-    own, 1 for a greedy (0) call, as the backends compute them. `prefix` counts the backend calls of
-    the rollout and adds up their prefix-cache counts."""
+    own, 1 for a greedy (0) call, as the backends compute them. `prefix` counts the backend
+    calls of the rollout and adds up their prefix-cache counts."""
     groups: dict[float, list[int]] = {}
     for j, p in enumerate(batch):
         t = sampling.temperature if p.req.temperature is None else p.req.temperature
