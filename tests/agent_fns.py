@@ -139,17 +139,19 @@ def _typed(kind: str) -> object:
         "bool_": np.bool_(True),
         "tensor": torch.tensor(0.75),
         "bool": False,
-        "nan": math.nan,
         "inf": -math.inf,
         "float32_nan": np.float32("nan"),
         "tensor_2": torch.tensor([1.0, 2.0]),
     }[kind]
 
 
-async def typed_reward(client: openai.AsyncOpenAI, row: dict, kind: str, wrap: bool) -> object:
-    """One call; returns the reward `kind` names (`_typed`), in a dict with `wrap`."""
+async def typed_reward(
+    client: openai.AsyncOpenAI, row: dict, kinds: list[str], wrap: bool
+) -> object:
+    """One call; returns the reward `_typed` makes of the kind for the row's prompt (k-th
+    prompt of the batch: kinds[k]), in a dict with `wrap`."""
     await client.chat.completions.create(model="m", messages=row["prompt"], max_tokens=2)
-    reward = _typed(kind)
+    reward = _typed(kinds[int(row["uid"].split("-")[1])])
     return {"reward": reward} if wrap else reward
 
 

@@ -251,31 +251,29 @@ def test_config_errors_name_the_key():
         load_config("configs/multiturn_tiny.yaml", ["rollout.agent.function=agent_fns:answer_sync"])
 
 
-@pytest.mark.parametrize(
-    "kind, wrap, expected",
-    [
-        ("float32", False, float(np.float32(0.1))),
-        ("int64", True, 2.0),
-        ("bool_", False, 1.0),
-        ("tensor", True, 0.75),
-        ("bool", False, 0.0),
-    ],
-)
-def test_numpy_torch_and_bool_rewards_are_trained_as_the_same_float(kind, wrap, expected):
-    engine = engine_for("typed_reward", f"rollout.agent.kwargs={{kind: {kind}, wrap: {wrap}}}")
+def prompt_index(batch) -> list[int]:
+    return [int(u.split("-")[1]) for u in batch["uid"]]
+
+
+def test_numpy_torch_and_bool_rewards_are_trained_as_the_same_float():
+    kinds = "{kinds: [float32, int64, bool_, tensor], wrap: false}"
+    engine = engine_for("typed_reward", f"rollout.agent.kwargs={kinds}")
     batch = engine.reward(engine.rollout(1))
     assert batch.meta["metrics"]["agent/fault_rate"] == 0
-    assert batch["scores"].tolist() == [torch.tensor(expected).item()] * 16
+    expected = [torch.tensor(x).item() for x in (float(np.float32(0.1)), 2.0, 1.0, 0.75)]
+    assert batch["scores"].tolist() == [expected[k] for k in prompt_index(batch)]
 
 
-@pytest.mark.parametrize("kind", ["nan", "inf", "float32_nan", "tensor_2"])
-def test_non_finite_or_non_number_rewards_are_bad_returns_named(kind, caplog):
-    engine = engine_for("typed_reward", f"rollout.agent.kwargs={{kind: {kind}, wrap: false}}")
+def test_non_finite_or_non_number_rewards_are_bad_returns_named(caplog):
+    """In a dict too; a bool is 0/1."""
+    kinds = "{kinds: [bool, float32_nan, inf, tensor_2], wrap: true}"
+    engine = engine_for("typed_reward", f"rollout.agent.kwargs={kinds}")
     batch = engine.reward(engine.rollout(1))
-    assert batch.meta["metrics"]["agent/faults/bad_return"] == 16
-    assert batch["scores"].tolist() == [0.0] * 16
+    assert batch.meta["metrics"]["agent/faults/bad_return"] == 12
+    assert batch["agent_fault"] == ["bad_return" if k else "" for k in prompt_index(batch)]
+    assert batch["scores"].tolist() == [0.0] * 16  # False: 0.0, trained; the rest: faults
     named = [r.getMessage() for r in caplog.records if r.name == "hybridrl.agent"]
-    assert len(named) == 16 and all("episode" in m and "bad_return" in m for m in named)
+    assert len(named) == 12 and all("episode" in m and "bad_return" in m for m in named)
 
 
 def test_none_scores_the_episodes_final_answer_on_every_row():
