@@ -57,9 +57,13 @@ def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
         scores = engine._score(batch, "response_ids", "response_mask")
         correct = [s >= 1.0 for s in scores]
     at = list(range(len(batch)))  # the batch row of each prompt
-    if "episode" in batch:  # agent episodes: one score each; a dropped one scores 0
-        first = {e: j for j, e in reversed(list(enumerate(batch["episode"])))}
-        at = [first.get(i, -1) for i in range(len(prompts))]
+    if "episode" in batch:  # agent episodes: one score each, its final answer's; a dropped
+        # one scores 0
+        final: dict[int, int] = {}
+        for j, (e, last) in enumerate(zip(batch["episode"], batch["episode_final"], strict=True)):
+            if last or e not in final:
+                final[e] = j
+        at = [final.get(i, -1) for i in range(len(prompts))]
         scores = [scores[j] if j >= 0 else 0.0 for j in at]
         correct = [bool(correct[j]) if j >= 0 else False for j in at]
     out: dict[str, Any] = {

@@ -4,12 +4,14 @@ Scorers, chosen per row:
 - reasoning-gym rows: the generator's own `score_answer` on the extracted final answer;
 - other rows: a numeric rule (the extracted answer equals `reward_model.ground_truth`);
 - `reward.function: module:function` overrides both. It is called as
-  `fn(prompts=[str], completions=[str], rows=[dict]) -> sequence of floats`.
+  `fn(prompts=[str], completions=[str], rows=[dict]) -> sequence of real numbers`
+  (Python, numpy or 0-d torch scalars; a bool is 0/1; NaN/inf are refused, the row named).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -26,6 +28,19 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 class RewardError(RuntimeError):
     """A reward could not be computed; the message names the sample."""
+
+
+def as_reward(value: Any) -> float:
+    """A reward as a float: any real number (Python, numpy or a 0-d torch tensor; a
+    bool counts 0/1), `ValueError` naming it for a non-number or NaN/inf."""
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # numpy, 0-d tensor
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"{type(value).__name__} {str(value)[:60]!r}, not a real number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"a non-finite reward ({out})")
+    return out
 
 
 def extract_answer(text: str, answer_format: str = "last_number") -> str | None:
@@ -98,13 +113,16 @@ class RewardScorer:
         scores = (
             self._user(prompts, completions, rows) if self.fn else self._builtin(completions, rows)
         )
+        out = []
         for i, s in enumerate(scores):
-            if s is None or not isinstance(s, int | float) or math.isnan(s) or math.isinf(s):
+            try:
+                out.append(as_reward(s))
+            except ValueError:
                 raise RewardError(
-                    f"reward for sample {i} is {s!r}, not a finite float "
+                    f"reward for sample {i} is {s!r}, not a finite real number "
                     f"(prompt: {prompts[i][-80:]!r}, completion: {completions[i][:80]!r})"
-                )
-        return [float(s) for s in scores]
+                ) from None
+        return out
 
     def _builtin(self, completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
         return [

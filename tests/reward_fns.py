@@ -53,3 +53,20 @@ def rarely_varied(prompts, completions, rows):
 
 def always_one(prompts, completions, rows):
     return [1.0 for _ in completions]
+
+
+def returns_numpy(prompts, completions, rows):
+    """Scores of the types users' reward code returns: numpy and 0-d torch scalars, bools."""
+    import numpy as np
+    import torch
+
+    kinds = [np.float32(0.1), np.int64(2), np.bool_(True), torch.tensor(0.75), False, 1]
+    return [kinds[i % len(kinds)] for i in range(len(completions))]
+
+
+def returns_inf(prompts, completions, rows):
+    return [1.0] * (len(completions) - 1) + [math.inf]
+
+
+def returns_text(prompts, completions, rows):
+    return ["1.0" for _ in completions]

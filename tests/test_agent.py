@@ -5,6 +5,8 @@ faults are counted and never stop the rollout; the same step gives the same batc
 
 import copy
 
+import agent_fns
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from hybrid_engine.config import ConfigError, load_config
 from hybrid_engine.engine import Engine
 from hybrid_engine.rollout.agent.chat import BadRequest, ChatRequest, parse_completion
 from hybrid_engine.rollout.agent.episodes import Episode
+from hybrid_engine.rollout.agent.examples import run_tool
 from hybrid_engine.rollout.multiturn import encode, render
 
 pytestmark = pytest.mark.fast
@@ -244,3 +247,199 @@ def test_config_errors_name_the_key():
         load_config("configs/grpo_tiny.yaml", ["rollout.agent.function=agent_fns:nope"])
     with pytest.raises(ConfigError, match="rollout.multi_turn.enabled"):
         load_config("configs/multiturn_tiny.yaml", ["rollout.agent.function=agent_fns:answer_sync"])
+
+
+def prompt_index(batch) -> list[int]:
+    return [int(u.split("-")[1]) for u in batch["uid"]]
+
+
+def test_numpy_torch_and_bool_rewards_are_trained_as_the_same_float():
+    kinds = "{kinds: [float32, int64, bool_, tensor], wrap: false}"
+    engine = engine_for("typed_reward", f"rollout.agent.kwargs={kinds}")
+    batch = engine.reward(engine.rollout(1))
+    assert batch.meta["metrics"]["agent/fault_rate"] == 0
+    expected = [torch.tensor(x).item() for x in (float(np.float32(0.1)), 2.0, 1.0, 0.75)]
+    assert batch["scores"].tolist() == [expected[k] for k in prompt_index(batch)]
+
+
+def test_non_finite_or_non_number_rewards_are_bad_returns_named(caplog):
+    """In a dict too; a bool is 0/1."""
+    kinds = "{kinds: [bool, float32_nan, inf, tensor_2], wrap: true}"
+    engine = engine_for("typed_reward", f"rollout.agent.kwargs={kinds}")
+    batch = engine.reward(engine.rollout(1))
+    assert batch.meta["metrics"]["agent/faults/bad_return"] == 12
+    assert batch["agent_fault"] == ["bad_return" if k else "" for k in prompt_index(batch)]
+    assert batch["scores"].tolist() == [0.0] * 16  # False: 0.0, trained; the rest: faults
+    named = [r.getMessage() for r in caplog.records if r.name == "hybridrl.agent"]
+    assert len(named) == 12 and all("episode" in m and "bad_return" in m for m in named)
+
+
+def test_none_scores_the_episodes_final_answer_on_every_row():
+    engine, log = (
+        engine_for("split_then_none", "reward.function=reward_fns:length_score"),
+        Log(),
+    )
+    batch = engine.reward(engine.rollout(1, episode_log=log))
+    assert batch.meta["metrics"]["agent/splits"] == 16 and len(batch) == 32
+    for i, doc in log.saved.items():
+        final = Episode.from_json(doc).calls[-1].choices[0].message["content"]
+        for j in rows_of(batch, i):  # the first chain's row too
+            assert batch["final_response"][j] == final
+            assert float(batch["scores"][j]) == pytest.approx(len(final) / 100)
+
+
+def test_validation_scores_the_episodes_final_answer():
+    engine = engine_for(
+        "split_then_none",
+        "reward.function=reward_fns:length_score",
+        "data.val_size=8",
+        "rollout.val.temperature=1.0",
+    )
+    agent_fns.FINALS.clear()
+    out = engine.validate(8)
+    n = len(engine.data.val)
+    finals = [agent_fns.FINALS[f"val-{i}"] for i in range(n)]
+    assert out["val/score/mean"] == pytest.approx(sum(len(f) / 100 for f in finals) / n)
+    samples = out["_samples"]
+    assert [s["score"] for s in samples] == pytest.approx([len(f) / 100 for f in finals])
+    assert all(
+        s["response"].rstrip().endswith(f.strip()) for s, f in zip(samples, finals, strict=True)
+    )
+
+
+BOOM_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.content == 'BOOM' %}{{ raise_exception('this template refuses BOOM') }}{% endif -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+
+
+def test_a_chat_template_that_raises_is_a_400_and_a_fault():
+    engine = engine_for("template_boom")
+    engine.tokenizer = copy.deepcopy(engine.tokenizer)
+    engine.tokenizer.chat_template = BOOM_TEMPLATE
+    agent_fns.STATUSES.clear()
+    batch = engine.rollout(1)
+    m = batch.meta["metrics"]
+    assert agent_fns.STATUSES == [400] * 16
+    assert (
+        m["agent/faults/template_error"] == 16 and batch["agent_fault"] == ["template_error"] * 16
+    )
+
+
+# transformers' response_template that reads the whole completion as one JSON tool call: the
+# random model's text never parses
+JSON_ONLY = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\A",
+            "close_pattern": r"\Z",
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        }
+    },
+}
+
+
+def test_a_completion_the_response_template_cannot_parse_is_a_fault():
+    engine = engine_for("offers_tool")
+    engine.tokenizer = copy.deepcopy(engine.tokenizer)
+    engine.tokenizer.response_template = JSON_ONLY
+    batch = engine.rollout(1)
+    m = batch.meta["metrics"]
+    assert m["agent/faults/malformed_completion"] == 16 and m["agent/fault_rate"] == 1
+
+
+@pytest.mark.parametrize("fn", ["exits", "exits_sync"])
+def test_system_exit_in_an_agent_faults_its_episode_only(fn):
+    engine = engine_for(fn, TIMEOUT)
+    batch = engine.reward(engine.rollout(1))
+    m = batch.meta["metrics"]
+    assert m["agent/faults/raised"] == 4 and m["agent/fault_rate"] == 4 / 16
+    first = [u.endswith("-0") for u in batch["uid"]]
+    assert batch["agent_fault"] == ["raised" if f else "" for f in first]
+    assert batch["scores"].tolist() == [0.0 if f else 1.0 for f in first]
+
+
+def test_the_shipped_calculator_is_bounded():
+    assert run_tool('{"expression": "3 * (2 + 5)"}') == "21"
+    assert run_tool('{"expression": "2 ** 5000"}').startswith("error: ValueError")
+    assert run_tool('{"expression": "9 ** 9 ** 9"}').startswith("error: ValueError")
+    assert run_tool('{"expression": "(10 ** 1000) * (10 ** 1000)"}').startswith("error")
+
+
+def test_an_agents_own_top_p_or_top_k_is_refused():
+    agent_fns.SAMPLING_ERRORS.clear()
+    batch = engine_for("own_top_p").rollout(1)
+    assert agent_fns.SAMPLING_ERRORS == ["unsupported_sampling"] * 32
+    assert batch.meta["metrics"]["agent/faults/unsupported_sampling"] == 16
+
+
+def test_per_token_temperatures_give_each_tokens_log_probs_and_gradients(tokenizer):
+    """A (rows, response) temperature tensor: each token's values and gradients are those of
+    a scalar temperature run at its own temperature, padded and packed."""
+    from test_packing import grpo_like_batch
+
+    from hybrid_engine.config import ModelConfig
+    from hybrid_engine.models.loading import load_policy
+    from hybrid_engine.models.logprobs import packed_response_log_probs, response_log_probs
+
+    model = load_policy(ModelConfig(path="tiny"), tokenizer, seed=0).train()
+    ids, mask, n = grpo_like_batch(tokenizer.pad_token_id, tokenizer.eos_token_id)
+    hot = torch.zeros(len(ids), n, dtype=torch.bool)
+    hot[::2, 1::2] = True  # a checkerboard of tokens at 0.5, the others at 1.3
+    temps = torch.where(hot, 0.5, 1.3)
+    head = model.get_output_embeddings().weight
+    for fn in (response_log_probs, packed_response_log_probs):
+        model.zero_grad()
+        mixed, ent = fn(model, ids, mask, n, temps, with_entropy=True)
+        (mixed.sum() + ent.sum()).backward()
+        grad_mixed = head.grad.clone()
+        expected, grad_expected = torch.zeros_like(mixed), torch.zeros_like(head)
+        for t, where in ((0.5, hot), (1.3, ~hot)):
+            model.zero_grad()
+            lp, e = fn(model, ids, mask, n, t, with_entropy=True)
+            (lp[where].sum() + e[where].sum()).backward()
+            expected[where] = lp.detach()[where]
+            grad_expected += head.grad
+        assert torch.allclose(mixed.detach(), expected, atol=1e-6)
+        assert torch.allclose(grad_mixed, grad_expected, atol=1e-5)
+
+
+def test_a_prompt_past_max_context_tokens_is_refused(caplog):
+    engine = engine_for("answer_then_revise", "rollout.agent.max_context_tokens=10")
+    batch = engine.rollout(1)
+    assert batch.meta["metrics"]["agent/faults/context_length"] == 16
+    named = [r.getMessage() for r in caplog.records if r.name == "hybridrl.agent"]
+    assert len(named) == 16 and all("max_context_tokens=10" in m for m in named)
+
+
+def test_max_tokens_above_the_cap_is_cut_to_it():
+    engine = engine_for("asks_too_much")  # rollout.max_new_tokens=8
+    batch = engine.rollout(1)
+    m = batch.meta["metrics"]
+    assert m["agent/fault_rate"] == 0 and m["agent/info/tokens/mean"] == m["agent/info/used/mean"]
+    assert all(len(trained(batch, j)) <= 8 for j in range(len(batch)))
+    assert 0 < m["agent/info/tokens/mean"] <= 8
+
+
+def test_unknown_and_ended_episode_keys_are_refused(tokenizer):
+    import httpx
+
+    from hybrid_engine.rollout.agent.endpoint import Hub, Server, make_app
+
+    hub = Hub([Episode(), Episode()], lambda *a: ([1, 2], None), 64, 0)
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    with Server(make_app(hub)) as server:
+        unknown = httpx.post(f"{server.url('0123abcd')}/chat/completions", json=body)
+        hub.finish(0, 1.0, {}, "", "")
+        ended = httpx.post(f"{server.url(hub.key_of[0])}/chat/completions", json=body)
+        no_key = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_episode"
+    assert ended.status_code == 409 and ended.json()["error"]["code"] == "episode_ended"
+    assert no_key.status_code == 400 and no_key.json()["error"]["code"] == "unknown_episode"
+    assert hub.status == ["done", "queued"] and not hub.pending

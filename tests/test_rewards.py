@@ -1,6 +1,10 @@
+import numpy as np
 import pytest
 import torch
 
+from flows.cli.preflight import probe_reward
+from hybrid_engine.config import load_config
+from hybrid_engine.data import PromptData
 from hybrid_engine.rewards import (
     RewardError,
     RewardScorer,
@@ -80,3 +84,22 @@ def test_overlong_penalty_is_dapos_linear_ramp():
     out = overlong_penalty(lengths, max_len=32, buffer_len=8, factor=0.5)
     assert out.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
     assert overlong_penalty(lengths, 32, 0, 1.0).tolist() == [0.0] * 5
+
+
+def test_numpy_torch_and_bool_scores_are_trained_as_the_same_float():
+    s = RewardScorer("reward_fns:returns_numpy", "last_number", {})
+    got = s.score(["p"] * 6, ["a"] * 6, rows(["1"] * 6))
+    assert got == [float(np.float32(0.1)), 2.0, 1.0, 0.75, 0.0, 1.0]
+    assert all(type(x) is float for x in got)
+    # the check when the config is read takes them too
+    cfg = load_config("configs/grpo_tiny.yaml", ["reward.function=reward_fns:returns_numpy"])
+    probe_reward(cfg, PromptData(cfg.data))
+
+
+def test_non_finite_and_non_number_scores_name_the_sample():
+    with pytest.raises(RewardError, match="sample 1 is inf"):
+        RewardScorer("reward_fns:returns_inf", "last_number", {}).score(
+            ["p", "p"], ["a", "b"], rows(["1", "2"])
+        )
+    with pytest.raises(RewardError, match="sample 0 is '1.0'"):
+        RewardScorer("reward_fns:returns_text", "last_number", {}).score(["p"], ["a"], rows(["1"]))

@@ -16,15 +16,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 1)
 
 
+Temperature = float | torch.Tensor  # one for all tokens, or (rows, response_len) per token
+
+
 def response_log_probs(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     response_len: int,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(y_t | x, y_<t) for the last `response_len` tokens, and optionally their entropy.
+    """log π(y_t | x, y_<t) for the last `response_len` tokens, and optionally their entropy,
+    at `temperature` (a float, or one per response token).
 
     The model runs without its LM head; `head_log_probs` applies it to the positions that
     predict response tokens.
@@ -43,7 +47,7 @@ def response_log_probs(
         model.get_output_embeddings(),
         hidden.reshape(-1, hidden.shape[-1]),
         input_ids[:, -response_len:].reshape(-1),
-        temperature,
+        temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else temperature,
         with_entropy,
     )
     return logp.view(rows, response_len), None if ent is None else ent.view(rows, response_len)
@@ -53,12 +57,12 @@ def head_log_probs(
     head: nn.Linear,
     hidden: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(z)[target] and H = -sum_v p_v log p_v for z = head(hidden) / temperature,
-    per row of `hidden` (tokens, hidden size), `head` being the LM head (a Linear layer); the
-    entropy keeps its gradient too.
+    per row of `hidden` (tokens, hidden size), `head` being the LM head (a Linear layer), the
+    temperature a float or one per row; the entropy keeps its gradient too.
 
     The same values and gradients as autograd through `log_softmax`, at a fraction of the
     memory traffic: the vocabulary-sized work runs on row chunks that stay in cache, and the
@@ -83,7 +87,10 @@ class _HeadLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy):
         z = torch.nn.functional.linear(hidden, weight, bias).float()
-        if temperature != 1.0:
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.to(z.device, torch.float32)[:, None]
+            z.div_(temperature)
+        elif temperature != 1.0:
             z.div_(temperature)
         lse = torch.empty(len(z), device=z.device)
         ent = torch.empty_like(lse) if with_entropy else None
@@ -115,7 +122,9 @@ class _HeadLogProbs(torch.autograd.Function):
             if g_logp is not None:
                 p.scatter_add_(-1, targets[rows, None], g_logp[rows, None])
             zc.copy_(p)
-        grad_z = (z.div_(ctx.temperature) if ctx.temperature != 1.0 else z).to(weight.dtype)
+        t = ctx.temperature
+        scaled = isinstance(t, torch.Tensor) or t != 1.0
+        grad_z = (z.div_(t) if scaled else z).to(weight.dtype)
         grad_h = grad_z @ weight if ctx.needs_input_grad[0] else None
         grad_w = grad_z.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_b = grad_z.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
@@ -135,7 +144,7 @@ def packed_response_log_probs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     response_len: int,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` without padding inside a group, each prompt computed once.
@@ -198,6 +207,8 @@ def packed_response_log_probs(
     )
     hidden = out.hidden_states[-1][srcs[0], srcs[1]]  # one row per response token
     head = model.get_output_embeddings()
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature[r_mask]
     lp, ent = head_log_probs(head, hidden, resp[r_mask], temperature, with_entropy)
     logp = torch.zeros(rows, response_len, dtype=lp.dtype, device=device).masked_scatter(r_mask, lp)
     entropy = None if ent is None else torch.zeros_like(logp).masked_scatter(r_mask, ent)

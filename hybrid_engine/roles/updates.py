@@ -41,7 +41,8 @@ def make_optimizer(
 def trim(batch: Batch) -> tuple[Batch, int, int]:
     """Drop columns that are padding in every row: left of the longest prompt, right of the
     longest response. Returns the trimmed (input_ids, attention_mask, response_mask) batch,
-    the kept response length and the original one."""
+    the kept response length and the original one. A per-token `response_temperature` (agent
+    calls at their own temperature) is kept, trimmed like the response."""
     response_mask = batch["response_mask"]
     resp_len = response_mask.shape[1]
     keep_resp = max(1, int(response_mask.any(0).nonzero().max()) + 1) if response_mask.any() else 1
@@ -53,6 +54,8 @@ def trim(batch: Batch) -> tuple[Batch, int, int]:
         "attention_mask": batch["attention_mask"][:, first:end],
         "response_mask": response_mask[:, :keep_resp],
     }
+    if "response_temperature" in batch:
+        t["response_temperature"] = batch["response_temperature"][:, :keep_resp]
     return Batch(t), keep_resp, resp_len
 
 

@@ -182,14 +182,20 @@ class ActorRolloutRef:
         if isinstance(self.rollout, HFRollout):
             self.rollout.drop_prefixes()
 
+    def _temp(self, batch: Batch) -> float | torch.Tensor:
+        """The temperature the batch's tokens were sampled at: per token where the rollout
+        recorded it (agent calls at their own), else rollout.temperature (also for stages
+        committed before the field existed); greedy (0) gives the model's own log-probs (1)."""
+        per_token = batch.tensors.get("response_temperature")
+        return per_token if per_token is not None else self.cfg.rollout.temperature or 1.0
+
     def _log_probs(self, model: nn.Module, batch: Batch, key: str, entropy: bool) -> Batch:
         self._end_rollout()
-        temp = self.cfg.rollout.temperature or 1.0
 
         def fn(mb: Batch) -> dict[str, torch.Tensor]:
             n = mb["response_mask"].shape[1]
             logp, ent = self.log_probs_fn(
-                model, mb["input_ids"], mb["attention_mask"], n, temp, with_entropy=entropy
+                model, mb["input_ids"], mb["attention_mask"], n, self._temp(mb), entropy
             )
             return {key: logp, "entropy": ent} if entropy else {key: logp}
 
@@ -203,7 +209,6 @@ class ActorRolloutRef:
         + KL loss to the reference), each term reduced by its own aggregation."""
         self._end_rollout()
         a = self.cfg.actor
-        temp = self.cfg.rollout.temperature or 1.0
         if a.use_kl_loss and "ref_log_prob" not in batch:
             raise ValueError("actor.use_kl_loss needs ref_log_prob in the batch")
         scale = a.loss_scale_factor or self.cfg.max_response_length
@@ -212,7 +217,12 @@ class ActorRolloutRef:
         def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
             mask = small["response_mask"]
             logp, ent = self.log_probs_fn(
-                self.policy, small["input_ids"], small["attention_mask"], keep, temp, True
+                self.policy,
+                small["input_ids"],
+                small["attention_mask"],
+                keep,
+                self._temp(small),
+                True,
             )
             # Without stored old log-probs the data is on-policy (see Engine).
             old = micro.tensors.get("old_log_probs")

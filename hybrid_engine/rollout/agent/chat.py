@@ -7,7 +7,9 @@
     -> `completion_response` (the `chat.completion` object)
 
 A refused request raises `BadRequest` with a reason (`malformed_request`, `malformed_message`,
-`unknown_tool`, `context_length`) that the rollout counts as the episode's fault.
+`unknown_tool`, `context_length`, `template_error`, `unsupported_sampling`;
+`malformed_completion` for a sampled text the tokenizer's `response_template` cannot parse)
+that the rollout counts as the episode's fault.
 """
 
 from __future__ import annotations
@@ -82,6 +84,26 @@ class ChatRequest(BaseModel):
                 "top_logprobs",
             )
         return req
+
+    def check_sampling(self, top_p: float, top_k: int) -> None:
+        """Refuse a top_p or top_k other than the rollout's: the update's log-probs are those
+        of the full softmax at the call's temperature, which a truncated sample was not
+        drawn from."""
+        k = (self.model_extra or {}).get("top_k")
+        if self.top_p is not None and self.top_p != top_p:
+            raise BadRequest(
+                "unsupported_sampling",
+                f"top_p: a call's own top_p ({self.top_p}) is not trained on; omit it or use "
+                f"rollout.top_p ({top_p})",
+                "top_p",
+            )
+        if k is not None and not (k == top_k or (k in (0, -1) and top_k == 0)):
+            raise BadRequest(
+                "unsupported_sampling",
+                f"top_k: a call's own top_k ({k}) is not trained on; omit it or use "
+                f"rollout.top_k ({top_k})",
+                "top_k",
+            )
 
     @property
     def stops(self) -> list[str]:
@@ -222,12 +244,20 @@ def parse_completion(
     tools (and `tool_choice` is not "none") by the tokenizer's `response_template`
     (transformers' `parse_response`) where it has one, else by the `<tool_call>{json}
     </tool_call>` convention. Text with a block that is not valid JSON or names a tool the
-    request does not offer stays content, with no tool calls."""
+    request does not offer stays content, with no tool calls; text the `response_template`
+    cannot parse raises `BadRequest` (`malformed_completion`)."""
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if not req.tools or req.tool_choice == "none":
         return msg
     if getattr(tokenizer, "response_template", None) is not None:
-        parsed = tokenizer.parse_response(text, prefix=prompt_ids, tools=req.tools)
+        try:
+            parsed = tokenizer.parse_response(text, prefix=prompt_ids, tools=req.tools)
+        except Exception as e:  # the policy's text does not fit the template's format
+            raise BadRequest(
+                "malformed_completion",
+                f"the tokenizer's response_template cannot parse the completion: "
+                f"{type(e).__name__}: {str(e)[:200]}",
+            ) from None
         calls = [
             (c["function"]["name"], c["function"].get("arguments") or {})
             for c in parsed.get("tool_calls") or []

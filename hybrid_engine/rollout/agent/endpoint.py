@@ -59,15 +59,19 @@ class Hub:
         prepare: Callable[[list[Call], list[dict], list[dict] | None], tuple[list[int], Any]],
         max_context: int,
         version: int,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> None:
         self.cond = threading.Condition()
         self.episodes = episodes
         self.status = ["queued"] * len(episodes)
-        self.since = [0.0] * len(episodes)  # when each started running
+        self.since = [0.0] * len(episodes)  # when each last started running its own code
+        self.own = [0.0] * len(episodes)  # seconds each ran its own code before that
         self.pending: list[Pending] = []
         self.keys = {secrets.token_hex(8): i for i in range(len(episodes))}
         self.key_of = {i: k for k, i in self.keys.items()}
         self.prepare, self.max_context, self.version = prepare, max_context, version
+        self.top_p, self.top_k = top_p, top_k  # the rollout's: a call may not set others
         self.calls_made = [0] * len(episodes)
 
     # ------------------------------------------------------------ event-loop side
@@ -86,8 +90,17 @@ class Hub:
             ep = self.episodes[i]
             try:
                 req = ChatRequest.parse(body)
+                req.check_sampling(self.top_p, self.top_k)
                 messages = template_messages(req)
-                prompt_ids, extends = self.prepare(ep.calls, messages, req.tools)
+                try:
+                    prompt_ids, extends = self.prepare(ep.calls, messages, req.tools)
+                except Exception as e:  # the chat template raised: the request's fault
+                    raise BadRequest(
+                        "template_error",
+                        f"the chat template cannot render these messages: "
+                        f"{type(e).__name__}: {str(e)[:200]}",
+                        "messages",
+                    ) from None
                 if len(prompt_ids) > self.max_context:
                     raise BadRequest(
                         "context_length",
@@ -103,6 +116,8 @@ class Hub:
             self.calls_made[i] += 1
             future = loop.create_future()
             self.pending.append(Pending(i, call, req, future, loop))
+            if self.status[i] == "running":
+                self.own[i] += time.monotonic() - self.since[i]
             self.status[i] = "waiting"
             self.cond.notify_all()
         status, result = await future
@@ -134,12 +149,12 @@ class Hub:
             return True
 
     def take_batch(
-        self, admit: Callable[[], None], overdue_s: float, on_overdue: Callable[[int], None]
+        self, admit: Callable[[], None], timeout_s: float, on_overdue: Callable[[int], None]
     ) -> list[Pending] | None:
         """The next batch of calls (in episode, call order) once no episode is running its
         own code, or None when all have ended. `admit()` starts queued episodes; an episode
-        running past `overdue_s` (its event loop never timed it out) is ended by
-        `on_overdue(i)`."""
+        whose own code has run more than `timeout_s` in all (time waiting for answers not
+        counted) is ended by `on_overdue(i)`."""
         with self.cond:
             while True:
                 admit()
@@ -152,7 +167,7 @@ class Hub:
                         self.pending = []
                         return batch
                 now = time.monotonic()
-                late = [i for i in running if now - self.since[i] > overdue_s]
+                late = [i for i in running if self.own[i] + now - self.since[i] > timeout_s]
                 if late:
                     self.cond.release()
                     try:
@@ -170,8 +185,11 @@ class Hub:
             for p, (status, body) in zip(batch, answers, strict=True):
                 if self.status[p.episode] == "done":
                     continue
+                ep = self.episodes[p.episode]
                 if status == 200:
-                    self.episodes[p.episode].calls.append(p.call)
+                    ep.calls.append(p.call)
+                elif not ep.fault:  # the completion could not be made into a message
+                    ep.fault, ep.detail = body["error"]["code"], body["error"]["message"]
                 if not any(q.episode == p.episode for q in self.pending):
                     self.status[p.episode] = "running"
                     self.since[p.episode] = time.monotonic()

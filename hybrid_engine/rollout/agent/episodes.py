@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from hybrid_engine.batch import Batch
 from hybrid_engine.rollout.multiturn import (
     Trajectory,
@@ -50,6 +52,9 @@ class Call:
     extends: list[int] | None  # [call, choice] whose sequence this prompt continues
     version: int
     choices: list[Choice] = field(default_factory=list)
+    # the temperature of its choices' log-probs: the call's own, 1 for a greedy call; None
+    # (recorded before the field existed): the rollout's
+    temperature: float | None = None
 
 
 @dataclass
@@ -107,23 +112,28 @@ class Sequence:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    temps: list[float] = field(default_factory=list)  # each token's log-prob temperature
     ends: list[int] = field(default_factory=list)  # each call's last sampled token
     calls: int = 0
     tool_calls: int = 0
     tool_turns: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)
     final_text: str = ""
+    final: bool = False  # it ends with the episode's final answer
 
 
-def _grow(seq: Sequence, call: Call, choice: Choice) -> Sequence:
-    """`seq` continued by `call` (whose prompt extends it) and one of its choices."""
+def _grow(seq: Sequence, call: Call, choice: Choice, temperature: float) -> Sequence:
+    """`seq` continued by `call` (whose prompt extends it) and one of its choices;
+    `temperature`: the rollout's log-prob temperature, for a call that recorded none."""
     done = len(seq.prompt_ids) + len(seq.ids)
     context = call.prompt_ids[done:]
+    t = temperature if call.temperature is None else call.temperature
     out = Sequence(
         seq.prompt_ids,
         seq.ids + context + choice.ids,
         seq.mask + [0] * len(context) + [1] * len(choice.ids),
         seq.log_probs + [0.0] * len(context) + choice.log_probs,
+        seq.temps + [1.0] * len(context) + [t] * len(choice.ids),
         seq.ends,
         seq.calls + 1,
         seq.tool_calls + len(choice.message.get("tool_calls") or []),
@@ -135,9 +145,10 @@ def _grow(seq: Sequence, call: Call, choice: Choice) -> Sequence:
     return out
 
 
-def sequences(calls: list[Call]) -> tuple[list[Sequence], int]:
+def sequences(calls: list[Call], temperature: float = 1.0) -> tuple[list[Sequence], int]:
     """The training sequences of an episode's calls, and its number of splits (calls that
-    start a new sequence although an earlier one exists)."""
+    start a new sequence although an earlier one exists). The one that ends with the last
+    call's first choice, the episode's final answer, is marked `final`."""
     open_: dict[tuple[int, int], Sequence] = {}  # (call, choice) -> the sequence it ends
     splits = 0
     for call in calls:
@@ -152,7 +163,9 @@ def sequences(calls: list[Call]) -> tuple[list[Sequence], int]:
             ):
                 raise AssertionError(f"call {call.index} does not extend its sequence")
         for c, choice in enumerate(call.choices):
-            open_[(call.index, c)] = _grow(base, call, choice)
+            open_[(call.index, c)] = _grow(base, call, choice, temperature)
+    if calls and calls[-1].choices:
+        open_[(calls[-1].index, 0)].final = True
     return list(open_.values()), splits
 
 
@@ -163,11 +176,17 @@ def episodes_batch(
     on_fault: str,
     with_log_probs: bool,
     gen_s: float,
+    temperature: float = 1.0,
 ) -> tuple[Batch, dict[str, float]]:
     """The rollout batch of a step's episodes (one per row of `prompts`) and the `agent/`
     metrics. A faulted episode's sequences score 0 (`on_fault: zero`; one with no call is a
-    row with an empty response) or are left out (`drop`)."""
-    rows, trajs, splits, dropped = [], [], 0, 0
+    row with an empty response) or are left out (`drop`). Every sequence of an episode has
+    the episode's final answer as `final_response` (what the reward stage scores when the
+    agent returned None); `episode_final` marks the sequence that ends with it.
+    `response_temperature` holds each response token's log-prob temperature (`temperature`,
+    the rollout's, for calls recorded without one), which the training side computes its
+    log-probs at."""
+    rows, trajs, finals, temps, splits, dropped = [], [], [], [], 0, 0
     faults: dict[str, int] = {}
     pad = tokenizer.pad_token_id
     for i, ep in enumerate(episodes):
@@ -176,14 +195,17 @@ def episodes_batch(
             if on_fault == "drop":
                 dropped += 1
                 continue
-        seqs, n_splits = sequences(ep.calls)
+        seqs, n_splits = sequences(ep.calls, temperature)
         splits += n_splits
         if not seqs:  # no call: the prompt and an empty response
             ids = encode(tokenizer, render(tokenizer, prompts["prompt"][i], None, True))
-            seqs = [Sequence(ids, [pad], [0], [0.0], [])]
+            seqs = [Sequence(ids, [pad], [0], [0.0], [1.0], [])]
         reward = 0.0 if ep.fault else ep.reward
         success = ep.info.get("success")
+        final_text = next((s.final_text for s in seqs if s.final), seqs[-1].final_text)
         for s in seqs:
+            finals.append(s.final)
+            temps.append(s.temps)
             rows.append(i)
             trajs.append(
                 Trajectory(
@@ -200,7 +222,7 @@ def episodes_batch(
                     tool_calls=s.tool_calls,
                     success=None if success is None or ep.fault else bool(success),
                     stop="fault" if ep.fault else "done",
-                    final_text=s.final_text,
+                    final_text=final_text,
                 )
             )
     if not trajs:
@@ -211,6 +233,11 @@ def episodes_batch(
     batch = trajectories_batch(prompts.take(rows), trajs, pad, with_log_probs, gen_s, 0.0, [])
     batch["agent_fault"] = [episodes[i].fault for i in rows]
     batch["episode"] = rows
+    batch["episode_final"] = finals
+    width = batch["response_ids"].shape[1]
+    batch["response_temperature"] = torch.tensor(
+        [t + [1.0] * (width - len(t)) for t in temps], dtype=torch.float32
+    )
     n = len(episodes)
     metrics = {
         "agent/episodes": float(n),

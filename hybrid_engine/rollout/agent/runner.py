@@ -5,12 +5,15 @@
     meanwhile, on this thread: take the waiting calls as one batch -> generate -> answer
     episodes -> sequences (token-exact, `episodes`) -> the rollout batch
 
-An agent returns a float, a dict with `reward` (and `info`: `success`, counts), or None to let
-the reward stage score its final answer. An agent that raises, runs past `timeout_s`, returns
-anything else, sends a request the endpoint refuses or makes no call is a fault: counted by
-reason, named in one log line, its sample scored 0 or dropped (`on_fault`). Nothing stops the
-rollout. A finished episode is handed to `log.save` at once, and one `log.load` gives back is
-not run again: a rollout killed midway resumes with those episodes as they were.
+An agent returns a real number (Python, numpy or a 0-d torch scalar; a bool is 0/1; NaN and
+inf are bad returns), a dict with `reward` (and `info`: `success`, counts), or None to let
+the reward stage score the episode's final answer. An agent that raises (any BaseException),
+runs its own code past `timeout_s` (time its calls wait for generation not counted; an agent
+blocking the event loop stalls the others, which time out too), returns anything else, sends
+a request the endpoint refuses or makes no call is a fault: counted by reason, named in one
+log line, its sample scored 0 or dropped (`on_fault`). Nothing stops the rollout. A finished
+episode is handed to `log.save` at once, and one `log.load` gives back is not run again: a
+rollout killed midway resumes with those episodes as they were.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +32,8 @@ import openai
 import torch
 
 from hybrid_engine.batch import Batch
-from hybrid_engine.rollout.agent.chat import completion_response, parse_completion
+from hybrid_engine.rewards import as_reward
+from hybrid_engine.rollout.agent.chat import BadRequest, completion_response, parse_completion
 from hybrid_engine.rollout.agent.endpoint import Hub, Pending, Server, call_seed, make_app
 from hybrid_engine.rollout.agent.episodes import Choice, Episode, episodes_batch, prompt_for
 from hybrid_engine.rollout.base import PREFIX_COUNTS, SamplingParams
@@ -39,7 +42,7 @@ from hybrid_engine.specs import load_spec
 
 log = logging.getLogger("hybridrl.agent")
 Generate = Callable[[Batch, SamplingParams], Batch]
-OVERDUE_GRACE_S = 10.0  # past timeout_s, an episode its event loop did not end is ended here
+CLOSE_WAIT_S = 2.0  # the longest wait for the event loop to close the agents' HTTP client
 
 
 class EpisodeLog(Protocol):
@@ -65,11 +68,10 @@ def outcome(value: Any) -> tuple[float | None, dict[str, Any]]:
             raise BadReturn(f"info of type {type(info).__name__}, not a dict")
         reward, _ = outcome(value["reward"])
         return reward, info
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadReturn(f"{type(value).__name__} {str(value)[:60]!r}, not a float")
-    if not math.isfinite(value):
-        raise BadReturn(f"a non-finite reward ({value})")
-    return float(value), {}
+    try:
+        return as_reward(value), {}
+    except ValueError as e:
+        raise BadReturn(str(e)) from None
 
 
 def in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], Any]) -> asyncio.Future:
@@ -88,7 +90,7 @@ def in_thread(loop: asyncio.AbstractEventLoop, work: Callable[[], Any]) -> async
     def target() -> None:
         try:
             value, error = work(), None
-        except Exception as e:
+        except BaseException as e:  # SystemExit included: the episode's fault
             value, error = None, e
         loop.call_soon_threadsafe(settle, value, error)
 
@@ -107,8 +109,9 @@ def agent_rollout(
     on_episode: Callable[[int], None] | None = None,
 ) -> Batch:
     """Episodes for the rows of `prompts` with `agent` (`rollout.agent`): each call samples
-    at most `sampling.max_new_tokens` with the call's temperature and top_p (the rollout's
-    where the call gives none). `on_episode(k)` after the k-th episode is saved."""
+    at most `sampling.max_new_tokens` with the call's temperature (the rollout's where the
+    call gives none; a call's own top_p or top_k is refused). `on_episode(k)` after the k-th
+    episode is saved."""
     fn = load_spec(agent.function, "rollout.agent.function")
     is_async = inspect.iscoroutinefunction(fn)
     rows = [{k: prompts[k][i] for k in prompts.non_tensors} for i in range(len(prompts))]
@@ -125,7 +128,7 @@ def agent_rollout(
         return prompt_for(tokenizer, calls, messages, tools, closing)
 
     resumed = set(done_before)
-    hub = Hub(episodes, prepare, agent.max_context_tokens, version)
+    hub = Hub(episodes, prepare, agent.max_context_tokens, version, sampling.top_p, sampling.top_k)
     for i in done_before:
         hub.status[i] = "done"
     gen_s, saved = 0.0, len(done_before)
@@ -133,7 +136,10 @@ def agent_rollout(
     # one HTTP connection pool for all the episodes' clients (an openai client of its own
     # builds an SSL context: ~50 ms each)
     limits = httpx.Limits(max_connections=4 * agent.max_concurrency)
-    http = (httpx.AsyncClient if is_async else httpx.Client)(limits=limits, timeout=agent.timeout_s)
+    # no read timeout: a call waits as long as its batch takes (timeout_s bounds the agent's
+    # own time, `Hub.take_batch`)
+    http = (httpx.AsyncClient if is_async else httpx.Client)(limits=limits, timeout=None)
+    tasks: dict[int, Any] = {}
     with Server(make_app(hub)) as server:
 
         async def run(i: int) -> None:
@@ -142,24 +148,21 @@ def agent_rollout(
                 base_url=server.url(hub.key_of[i]),
                 api_key="hybridrl",
                 max_retries=0,
-                timeout=agent.timeout_s,
+                timeout=None,
                 http_client=http,
             )
             reward, info, fault, detail = None, {}, "", ""
             try:
                 if is_async:
-                    work = fn(client, rows[i], **agent.kwargs)
+                    value = await fn(client, rows[i], **agent.kwargs)
                 else:
-                    work = in_thread(server.loop, lambda: fn(client, rows[i], **agent.kwargs))
-                reward, info = outcome(await asyncio.wait_for(work, agent.timeout_s))
-            except TimeoutError:
-                fault, detail = (
-                    "timeout",
-                    f"no result within rollout.agent.timeout_s={agent.timeout_s}",
-                )
+                    value = await in_thread(
+                        server.loop, lambda: fn(client, rows[i], **agent.kwargs)
+                    )
+                reward, info = outcome(value)
             except BadReturn as e:
                 fault, detail = "bad_return", f"returned {e}"
-            except Exception as e:
+            except BaseException as e:  # SystemExit too; a cancel after a timeout is ignored
                 fault, detail = "raised", f"{type(e).__name__}: {str(e)[:200]}"
             hub.finish(i, reward, info, fault, detail)
 
@@ -170,21 +173,32 @@ def agent_rollout(
                     break
                 if s == "queued":
                     hub.start(i)
-                    asyncio.run_coroutine_threadsafe(run(i), server.loop)
+                    tasks[i] = asyncio.run_coroutine_threadsafe(run(i), server.loop)
                     active += 1
 
         def overdue(i: int) -> None:
-            hub.finish(i, None, {}, "timeout", "its event loop was blocked past timeout_s")
+            detail = (
+                f"its own code ran past rollout.agent.timeout_s={agent.timeout_s} (time "
+                "waiting for its calls' answers not counted)"
+            )
+            if hub.finish(i, None, {}, "timeout", detail):
+                tasks[i].cancel()  # an async agent stops; a thread cannot be stopped
 
-        overdue_s = agent.timeout_s + OVERDUE_GRACE_S
-        while (batch := hub.take_batch(admit, overdue_s, overdue)) is not None:
+        while (batch := hub.take_batch(admit, agent.timeout_s, overdue)) is not None:
             start = time.perf_counter()
             answers = generate_calls(generate, tokenizer, batch, sampling, prefix)
             gen_s += time.perf_counter() - start
             hub.answer(batch, answers)
             saved = _save_finished(hub, episodes, done_before, saved, episode_log, on_episode)
         if is_async:
-            asyncio.run_coroutine_threadsafe(http.aclose(), server.loop).result(timeout=10)
+            closing = asyncio.run_coroutine_threadsafe(http.aclose(), server.loop)
+            try:  # an agent may still block the loop: its episodes have ended anyway
+                closing.result(timeout=CLOSE_WAIT_S)
+            except TimeoutError:
+                log.warning(
+                    "an async agent is blocking its event loop (blocking calls in async "
+                    "code); the episodes it stalled were ended as timeouts"
+                )
         else:
             http.close()
     _save_finished(hub, episodes, done_before, saved, episode_log, on_episode)
@@ -199,7 +213,13 @@ def agent_rollout(
                 "dropped" if agent.on_fault == "drop" else "scored 0",
             )
     batch, metrics = episodes_batch(
-        prompts, episodes, tokenizer, agent.on_fault, sampling.log_probs, gen_s
+        prompts,
+        episodes,
+        tokenizer,
+        agent.on_fault,
+        sampling.log_probs,
+        gen_s,
+        sampling.temperature or 1.0,
     )
     batch.meta["agent_metrics"] = metrics | {"agent/resumed": float(len(resumed))}
     batch.meta.update({k: prefix[k] for k in PREFIX_COUNTS})  # read by multi_turn_metrics
@@ -235,15 +255,18 @@ def generate_calls(
     prefix: dict[str, int] | None = None,
 ) -> list[tuple[int, dict]]:
     """(HTTP status, body) per call: its choices generated in one backend call per distinct
-    (temperature, top_p), each choice with its own seed. `prefix` counts the backend calls of
-    the rollout and adds up their prefix-cache counts."""
-    groups: dict[tuple[float, float], list[int]] = {}
+    temperature (the call's, else the rollout's; top_p and top_k are the rollout's), each
+    choice with its own seed. Each call records the temperature its log-probs are at: its
+    own, 1 for a greedy (0) call, as the backends compute them. `prefix` counts the backend
+    calls of the rollout and adds up their prefix-cache counts."""
+    groups: dict[float, list[int]] = {}
     for j, p in enumerate(batch):
         t = sampling.temperature if p.req.temperature is None else p.req.temperature
-        top_p = sampling.top_p if p.req.top_p is None else p.req.top_p
-        groups.setdefault((t, top_p), []).append(j)
+        p.call.temperature = t or 1.0
+        groups.setdefault(t, []).append(j)
     choices: list[list[Choice]] = [[] for _ in batch]
-    for (t, top_p), members in groups.items():
+    failed: dict[int, BadRequest] = {}
+    for t, members in groups.items():
         prompt_rows, seeds, limits, owners = [], [], [], []
         for j in members:
             p = batch[j]
@@ -259,7 +282,7 @@ def generate_calls(
                 "row_seed": torch.tensor(seeds, dtype=torch.long),
             }
         )
-        params = replace(sampling, max_new_tokens=max(limits), temperature=t, top_p=top_p)
+        params = replace(sampling, max_new_tokens=max(limits), temperature=t)
         # the episode's next call starts with this context: keep it (freed when training
         # starts); the rollout's first call starts from an empty cache
         reuse = prefix is not None and prefix["calls"] > 0
@@ -274,9 +297,17 @@ def generate_calls(
             n = min(int(out["response_mask"][r].sum()), limits[r])
             ids = out["response_ids"][r, :n].tolist()
             lps = out["rollout_log_probs"][r, :n].tolist()
-            choices[j].append(_choice(tokenizer, ids, lps, batch[j], len(choices[j])))
+            if j in failed:
+                continue
+            try:
+                choices[j].append(_choice(tokenizer, ids, lps, batch[j], len(choices[j])))
+            except BadRequest as e:  # malformed_completion: the episode's fault
+                failed[j] = e
     answers = []
-    for p, cs in zip(batch, choices, strict=True):
+    for j, (p, cs) in enumerate(zip(batch, choices, strict=True)):
+        if j in failed:
+            answers.append((500, failed[j].body()))
+            continue
         p.call.choices = cs
         body = completion_response(
             f"{p.episode}-{p.call.index}",
