@@ -53,7 +53,9 @@ class DataConfig(Section):
         "extra) or a .parquet/.jsonl file of verl-style rows",
     )
     val_source: str | None = Field(
-        None, description="validation rows; None = a held-out split of the task generator"
+        None,
+        description="validation rows, as train_source (a verifiers environment: its eval "
+        "split); None = a held-out split of the task generator",
     )
     task_config: dict[str, Any] = Field(
         default_factory=dict,
