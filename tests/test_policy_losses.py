@@ -279,3 +279,23 @@ def test_a_gspo_run_recorded_before_it_followed_loss_agg_mode_resumes_with_its_l
     assert got["actor/pg_loss"] == want["actor/pg_loss"]  # seq-mean-token-mean, as it trained
     assert all(torch.equal(weights[k], want_weights[k]) for k in weights)
     assert resumed.actor.loss_agg_mode == "token-mean"  # the entropy and KL terms' own
+
+
+def test_only_older_gspo_runs_get_their_old_aggregation():
+    from storage.semantics import SEMANTICS, as_recorded
+
+    def doc(mode="gspo", agg="token-mean", **kw):
+        actor = {"loss_agg_mode": agg, "policy_loss": {"mode": mode}}
+        return {"run_id": "r", "config": {"actor": actor}, "created_at": 1796200000.0} | kw
+
+    config, notes = as_recorded(doc())
+    assert config["actor"]["policy_loss"]["aggregation"] == "seq-mean-token-mean"
+    assert len(notes) == 1 and "trained with seq-mean-token-mean, not token-mean" in notes[0]
+    assert doc()["config"]["actor"]["policy_loss"] == {"mode": "gspo"}  # a copy changed
+    for kept in (
+        doc(semantics=SEMANTICS),  # recorded by this code
+        doc(created_at=1796300000.0),  # by the code between 87ae0d0 and the record
+        doc(mode="vanilla"),
+        doc(agg="seq-mean-token-mean"),  # the same loss either way
+    ):
+        assert as_recorded(kept) == (kept["config"], [])

@@ -121,6 +121,9 @@ class PolicyLossConfig(Section):
     )
     tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0")
     tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where A <= 0")
+    aggregation: LossAggMode | None = Field(
+        None, description="its own aggregation (null: actor.loss_agg_mode, the entropy/KL terms')"
+    )
 
 
 class LoraSettings(Section):
