@@ -46,6 +46,18 @@ def test_only_varied_groups_train_and_the_next_step_starts_after_them():
     assert b2.meta["gen_batches"][0] == g1[-1] + 1  # no prompt consumed twice, none skipped
 
 
+@pytest.mark.parametrize("fn", ["half_solved", "rarely_varied"])
+def test_every_prompt_of_the_data_order_is_generated_once(fn):
+    cfg = load_config("configs/grpo_tiny.yaml", [*ON, f"reward.function=reward_fns:{fn}"])
+    engine, rounds = Engine(cfg), []
+    for step in (1, 2, 3):  # as the non-adaptive rounds: whole generation batches
+        engine.sample(step, save=lambda j, part: rounds.append(list(dict.fromkeys(part["uid"]))))
+    generated = [uid for r in rounds for uid in r]
+    last = int(generated[-1].split("-")[0])
+    assert generated == [f"{g}-{i}" for g in range(1, last + 1) for i in range(4)]
+    assert engine.next_gen_batch == last + 1
+
+
 def test_a_round_takes_the_prompts_the_kept_rate_asks_for():
     # round_prompts(groups, kept, consumed, cap, adaptive, allowed)
     assert round_prompts(8, 0, 0, 32, True, None) == 8  # the first round: one batch
