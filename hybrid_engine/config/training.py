@@ -459,10 +459,10 @@ class FilterGroupsConfig(Section):
     )
     adaptive_rounds: bool = Field(
         True,
-        description="each round rolls out, in one generate call, the prompts a kept rate says "
-        "the missing groups take: the first round the previous step's rate (at least a "
-        "batch), later ones the step's own so far; at most rollout.micro_batch_size / "
-        "rollout.n; false: one generation batch per round, as verl's DAPO recipe",
+        description="each round rolls out, in one generate call, the whole generation "
+        "batches that hold the prompts a kept rate says the missing groups take: the first "
+        "round the previous step's rate, later ones the step's own so far; at most "
+        "rollout.micro_batch_size / rollout.n prompts; false: one batch per round (verl)",
     )
     on_exhausted: Literal["fail", "train"] = Field(
         "fail",
