@@ -242,45 +242,6 @@ def test_entropy_reference_agrees_with_the_fused_head():
     torch.testing.assert_close(fused, entropy_from_logits(logits), atol=1e-5, rtol=0)
 
 
-def one_update(cfg, batch):
-    """Actor metrics and weights after one update of a fresh engine on `batch`."""
-    from hybrid_engine.engine import Engine
-
-    engine = Engine(cfg)
-    metrics = engine.update(batch.take(list(range(len(batch))))).meta["metrics"]
-    return metrics, {k: v.clone() for k, v in engine.actor.policy.state_dict().items()}
-
-
-def test_a_gspo_run_recorded_before_it_followed_loss_agg_mode_resumes_with_its_loss(tmp_path):
-    import json
-
-    from flows.opening import resumed_config
-    from hybrid_engine.config import load_config, redact
-    from hybrid_engine.engine import Engine
-
-    where = f"storage.root={tmp_path}"
-    gspo = ["actor.policy_loss.mode=gspo", "reward.function=reward_fns:length_score", where]
-    config = redact(load_config("configs/grpo_tiny.yaml", gspo).model_dump(mode="json"))
-    config["actor"]["policy_loss"].pop("aggregation", None)  # no such key before
-    (tmp_path / "old").mkdir()
-    old = {"run_id": "old", "config": config, "code_version": "0.1.0+e8cf443"}
-    old |= {"created_at": 1796200000.0, "driver": {}}  # 2026-12-02, before 87ae0d0
-    (tmp_path / "old" / "run.json").write_text(json.dumps(old))
-    resumed = resumed_config("old", [where])
-    as_trained = load_config(
-        "configs/grpo_tiny.yaml", [*gspo, "actor.loss_agg_mode=seq-mean-token-mean"]
-    )
-    engine = Engine(as_trained)
-    batch = engine.advantage(engine.reward(engine.rollout(1)))
-    for j in range(0, len(batch), 3):  # responses of different lengths: the modes differ
-        batch["response_mask"][j, 8 - j % 7 :] = 0
-    got, weights = one_update(resumed, batch)
-    want, want_weights = one_update(as_trained, batch)
-    assert got["actor/pg_loss"] == want["actor/pg_loss"]  # seq-mean-token-mean, as it trained
-    assert all(torch.equal(weights[k], want_weights[k]) for k in weights)
-    assert resumed.actor.loss_agg_mode == "token-mean"  # the entropy and KL terms' own
-
-
 def test_only_older_gspo_runs_get_their_old_aggregation():
     from storage.semantics import SEMANTICS, as_recorded
 
