@@ -69,7 +69,7 @@ class LiveDisplay:
     def __init__(self, console: Console) -> None:
         self.progress = Progress(
             SpinnerColumn(),
-            TextColumn("{task.description}"),
+            TextColumn("{task.description}", markup=False),  # run ids are the user's text
             _StepBar(),
             TextColumn("{task.fields[count]}"),
             TimeElapsedColumn(),

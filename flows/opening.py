@@ -15,6 +15,7 @@ seed): each config field declares who reads it (`hybrid_engine.config.reads_of`)
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from hybrid_engine.config import (
 )
 from hybrid_engine.engine import Engine
 from storage.lineage import ForkPoint, fork_manifest
+from storage.semantics import SEMANTICS, as_recorded
 from storage.store import RunStore, new_run_id, validate_run_id
 from tasks.recovery import (
     driver_record,
@@ -109,13 +111,26 @@ def _stored_config(store: RunStore, overrides: list[str]) -> tuple[HybridConfig,
             f"run {store.run_id!r} was deleted (`hybridrl runs delete`); "
             "only the objects its forks use are kept"
         )
-    cfg = config_from_dict(doc["config"], overrides)
+    recorded, notes = as_recorded(doc)  # an older run's config as its code computed it
+    for line in notes:
+        _warn(line)
+    cfg = config_from_dict(recorded, overrides)
     if missing := redacted_keys(cfg):
         raise ConfigError(
             f"{', '.join(missing)}: secret values are not recorded with a run; give them "
             "again (the whole map, e.g. HYBRIDRL_RAY__WORKER_ENV='{...}' or an override)"
         )
-    return config_from_dict(doc["config"]), cfg
+    return config_from_dict(recorded), cfg
+
+
+def _warn(line: str) -> None:
+    """A warning in the flow run's log, or this module's outside one (the CLI's checks)."""
+    from prefect.exceptions import MissingContextError
+
+    try:
+        get_run_logger().warning(line)
+    except MissingContextError:
+        logging.getLogger(__name__).warning(line)
 
 
 def resumed_config(run_id: str, overrides: list[str]) -> HybridConfig:
@@ -209,7 +224,7 @@ def open_fork(parent_id: str, at: ForkPoint, overrides: list[str], run_id: str |
 def parent_config(store: RunStore, cfg: HybridConfig) -> HybridConfig:
     """A fork's parent's config, run where the fork runs (the fork's `storage.*`, `ray.*`,
     ... where they differ): what the fork's start checkpoint is made with."""
-    stored = store.lineage.parent.read_run()["config"]
+    stored = as_recorded(store.lineage.parent.read_run())[0]
     a = flatten(config_from_dict(stored))
     where = [
         f"{k}={json.dumps(v)}"
@@ -242,6 +257,7 @@ def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | Non
             "run_id": store.run_id,
             "config": redact(cfg.model_dump(mode="json")),
             "code_version": code_version(),
+            "semantics": SEMANTICS,  # what its config computes (storage.semantics)
             "created_at": time.time(),
             "driver": driver_record(),
         }

@@ -103,6 +103,7 @@ def train(
     lease.fence(store)  # a driver taken over while it stalled writes nothing more
     recovery = Recovery(cfg, store)
     track = engine = None
+    froze = False
     try:
         with preemption():
             if resume:  # a SIGKILLed driver of this run may have left its Prefect server
@@ -120,8 +121,10 @@ def train(
             rearm()  # connecting to Ray replaced the SIGTERM handler
             # what start-up made (modules, the engine) lives as long as the run: out of the
             # collector's sight, full collections are cheap and come often enough to free the
-            # cyclic garbage of each step (a figure per step) before it piles up (bench/soak.py)
-            gc.freeze()
+            # cyclic garbage of each step (a figure per step) before it piles up (bench/soak.py);
+            # only where no caller froze first, and undone when the flow ends
+            if froze := not gc.get_freeze_count():
+                gc.freeze()
             if not resume and not opened.lineage:  # once the run could start (a bad config
                 record_run(store, cfg)  # leaves nothing)
             track = StepLog(cfg, store)
@@ -145,6 +148,9 @@ def train(
         )
         logger.warning(line)
         return Cancelled(name="Preempted", message=line)
+    finally:
+        if froze:  # this run's engine and modules become collectable again
+            gc.unfreeze()
     release(lease, engine)
     pool = cfg.ray.pool_name if engine.pool is not None else None
     return result | {

@@ -115,10 +115,9 @@ class PromptData:
     def __init__(self, cfg: DataConfig) -> None:
         self.cfg = cfg
         self.train = load_rows(cfg.train_source, cfg.train_size, cfg.train_seed, cfg)
-        if cfg.val_source is not None:
-            val = load_rows(cfg.val_source, cfg.val_size, cfg.val_seed, cfg)
-        elif cfg.train_source.startswith((RG_PREFIX, VF_PREFIX)):
-            val = load_rows(cfg.train_source, cfg.val_size, cfg.val_seed, cfg, "eval")
+        source = cfg.val_source or cfg.train_source
+        if cfg.val_source is not None or source.startswith((RG_PREFIX, VF_PREFIX)):
+            val = load_rows(source, cfg.val_size, cfg.val_seed, cfg, "eval")
         else:
             val = []
         # A validation question that also occurs in training measures memory, not skill.

@@ -45,6 +45,10 @@ class Retry(Environment):
         return self._state
 
 
+class Unhurried(Retry):
+    """Retry under a name no other test serves (the start-up timeout's test starts it)."""
+
+
 class Edit(Action):
     path: str = "answer.txt"
     text: str = ""

@@ -68,6 +68,7 @@ def test_train_saves_final_policy_and_summary(tmp_path):
         (["configs/grpo_tiny.yaml", "trainer.run_id=../x"], "run id '../x'"),
         (["configs/grpo_tiny.yaml", "reward.function=nope:fn"], "reward.function='nope:fn'"),
         (["configs/grpo_tiny.yaml", "trainer.output_dir=x"], "replaced by storage.root"),
+        (["configs/grpo_tiny.yaml", "rollout.name=vllm"], "install the [vllm] extra"),
     ],
 )
 def test_train_fails_with_one_line(args, needle):
@@ -97,6 +98,30 @@ def test_commands_fail_in_seconds_with_one_line(args, needle, tmp_path):
     out = p.stdout.replace("\n", " ")
     assert needle in out and "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
     assert not Path("/no/such/dir").exists()
+
+
+@pytest.mark.fast
+def test_what_the_commands_print_keeps_its_brackets():
+    import typer
+    from rich.table import Table
+    from rich.tree import Tree
+
+    from flows.cli.runs import console, fail
+
+    text = "install the [vllm] extra; [bold]x[/] stays [red]as written[/]"
+    table, tree = Table("key", "[a]"), Tree("run [r1]")
+    table.add_row("trainer.run_id", "[b]")
+    tree.add("fork [f]")
+    with console.capture() as captured:
+        with pytest.raises(typer.Exit):
+            fail(ValueError(text))
+        console.print(line := f"  {'hybridrl.note':<24} {text}")
+        console.print(table)
+        console.print(tree)
+    out = captured.get()
+    flat = " ".join(out.split())  # the console wraps at its width
+    assert f"error: {text}" in flat and " ".join(line.split()) in flat
+    assert all(s in out for s in ("[a]", "[b]", "run [r1]", "fork [f]")), out
 
 
 @pytest.mark.fast

@@ -46,19 +46,32 @@ def test_only_varied_groups_train_and_the_next_step_starts_after_them():
     assert b2.meta["gen_batches"][0] == g1[-1] + 1  # no prompt consumed twice, none skipped
 
 
+@pytest.mark.parametrize("fn", ["half_solved", "rarely_varied"])
+def test_every_prompt_of_the_data_order_is_generated_once(fn):
+    cfg = load_config("configs/grpo_tiny.yaml", [*ON, f"reward.function=reward_fns:{fn}"])
+    engine, rounds = Engine(cfg), []
+    for step in (1, 2, 3):  # as the non-adaptive rounds: whole generation batches
+        engine.sample(step, save=lambda j, part: rounds.append(list(dict.fromkeys(part["uid"]))))
+    generated = [uid for r in rounds for uid in r]
+    last = int(generated[-1].split("-")[0])
+    assert generated == [f"{g}-{i}" for g in range(1, last + 1) for i in range(4)]
+    assert engine.next_gen_batch == last + 1
+
+
 def test_a_round_takes_the_prompts_the_kept_rate_asks_for():
-    # round_prompts(groups, kept, consumed, cap, adaptive, allowed)
+    # round_prompts(groups, kept, consumed, cap, adaptive, allowed batches): whole batches
     assert round_prompts(8, 0, 0, 32, True, None) == 8  # the first round: one batch
     assert round_prompts(8, 2, 8, 32, False, None) == 8  # verl's recipe: one batch
     assert round_prompts(8, 2, 8, 32, True, None) == 24  # 6 missing at 1/4
     assert round_prompts(8, 1, 8, 32, True, None) == 32  # 7 missing at 1/8: the cap
     assert round_prompts(8, 0, 8, 32, True, None) == 32  # none kept yet: the cap
-    assert round_prompts(8, 6, 8, 32, True, None) == 3  # 2 missing at 3/4: ceil(2.67)
-    assert round_prompts(8, 7, 16, 32, True, 12) == 3  # 1 missing at 7/16: ceil(2.29)
-    assert round_prompts(8, 2, 8, 32, True, 5) == 5  # the limit's rest
+    assert round_prompts(8, 6, 8, 32, True, None) == 8  # 2 missing at 3/4: 3 prompts, 1 batch
+    assert round_prompts(8, 7, 16, 32, True, 12) == 8  # 1 missing at 7/16: ceil(2.29)
+    assert round_prompts(8, 2, 8, 32, True, 2) == 16  # 24 asked, 2 batches left of the limit
+    assert round_prompts(8, 0, 8, 36, True, None) == 32  # the whole batches the cap holds
     # the first round at the rate of the step before, (groups kept, prompts used)
     assert round_prompts(8, 0, 0, 32, True, None, (2, 8)) == 32  # 8 groups at 1/4
-    assert round_prompts(8, 0, 0, 32, True, None, (6, 8)) == 11  # at 3/4: ceil(10.67)
+    assert round_prompts(8, 0, 0, 32, True, None, (6, 8)) == 16  # at 3/4: 11 prompts
     assert round_prompts(8, 0, 0, 32, True, None, (9, 8)) == 8  # at least a batch
     assert round_prompts(8, 0, 0, 32, True, None, (0, 64)) == 32  # none kept: the cap
     assert round_prompts(8, 0, 0, 32, False, None, (2, 8)) == 8

@@ -227,3 +227,32 @@ print(sum(faults[3:]))
     pages = 3 * 660 * 2**20 // resource.getpagesize()  # the last three rounds' memory
     big = 3 * 160 * 2**20 // resource.getpagesize()  # their 160 MB tensors'
     assert (faults < pages // 20) if reuse else (faults > big * 9 // 10), faults
+
+
+def test_a_gspo_run_recorded_before_it_followed_loss_agg_mode_resumes_with_its_loss(tmp_path):
+    import json
+
+    from flows.opening import resumed_config
+    from hybrid_engine.config import redact
+
+    where = f"storage.root={tmp_path}"
+    gspo = ["actor.policy_loss.mode=gspo", SIGNAL, where]
+    config = redact(load_config("configs/grpo_tiny.yaml", gspo).model_dump(mode="json"))
+    config["actor"]["policy_loss"].pop("aggregation", None)  # no such key before
+    (tmp_path / "old").mkdir()
+    old = {"run_id": "old", "config": config, "code_version": "0.1.0+e8cf443"}
+    old |= {"created_at": 1796200000.0, "driver": {}}  # 2026-12-02, before 87ae0d0
+    (tmp_path / "old" / "run.json").write_text(json.dumps(old))
+    resumed = Engine(resumed_config("old", [where]))
+    as_trained = Engine(
+        load_config("configs/grpo_tiny.yaml", [*gspo, "actor.loss_agg_mode=seq-mean-token-mean"])
+    )
+    batch = as_trained.advantage(as_trained.reward(as_trained.rollout(1)))
+    for j in range(0, len(batch), 3):  # responses of different lengths: the modes differ
+        batch["response_mask"][j, 8 - j % 7 :] = 0
+    got = resumed.update(batch.take(list(range(len(batch))))).meta["metrics"]
+    want = as_trained.update(batch).meta["metrics"]
+    assert got["actor/pg_loss"] == want["actor/pg_loss"]  # seq-mean-token-mean, as it trained
+    mine, theirs = params(resumed.actor.policy), params(as_trained.actor.policy)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)  # bit-equal
+    assert resumed.cfg.actor.loss_agg_mode == "token-mean"  # the entropy and KL terms' own

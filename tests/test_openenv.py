@@ -84,3 +84,12 @@ def test_the_text_field_must_be_known():
         make_environment("openenv:openenv_envs.TwoFields", {"action_field": "body"})
     with pytest.raises(ValueError, match="openenv:no_such.Env"):
         make_environment("openenv:no_such.Env", {})
+
+
+def test_a_served_class_waits_for_its_server_within_the_timeout():
+    with pytest.raises(TimeoutError, match=r"within 1e-09 s.*env_kwargs\.timeout_s"):
+        make_environment("openenv:openenv_envs.Unhurried", {"timeout_s": 1e-9})
+    env = make_environment("openenv:openenv_envs.Unhurried", {})  # the next try starts it
+    env.reset({"prompt": []}, 1)
+    assert env.step("x").observation == [{"role": "user", "content": "Longer, please."}]
+    env.close()

@@ -240,3 +240,23 @@ def test_entropy_reference_agrees_with_the_fused_head():
     close(entropy_from_logits(torch.zeros(2, 5)), [math.log(5)] * 2)
     _, fused = head_log_probs(head, hidden, torch.zeros(40, dtype=torch.long), 0.7, True)
     torch.testing.assert_close(fused, entropy_from_logits(logits), atol=1e-5, rtol=0)
+
+
+def test_only_older_gspo_runs_get_their_old_aggregation():
+    from storage.semantics import SEMANTICS, as_recorded
+
+    def doc(mode="gspo", agg="token-mean", **kw):
+        actor = {"loss_agg_mode": agg, "policy_loss": {"mode": mode}}
+        return {"run_id": "r", "config": {"actor": actor}, "created_at": 1796200000.0} | kw
+
+    config, notes = as_recorded(doc())
+    assert config["actor"]["policy_loss"]["aggregation"] == "seq-mean-token-mean"
+    assert len(notes) == 1 and "trained with seq-mean-token-mean, not token-mean" in notes[0]
+    assert doc()["config"]["actor"]["policy_loss"] == {"mode": "gspo"}  # a copy changed
+    for kept in (
+        doc(semantics=SEMANTICS),  # recorded by this code
+        doc(created_at=1796300000.0),  # by the code between 87ae0d0 and the record
+        doc(mode="vanilla"),
+        doc(agg="seq-mean-token-mean"),  # the same loss either way
+    ):
+        assert as_recorded(kept) == (kept["config"], [])

@@ -1,6 +1,7 @@
 """Live progress: the rollout's token counter, the events a real flow run announces, and the
 CLI's live display drawing them (tokens/s while rolling out, steps with an ETA)."""
 
+import gc
 import io
 import threading
 import time
@@ -43,6 +44,7 @@ def test_rollout_counts_the_tokens_it_samples_as_it_goes(tiny_cfg, tokenizer):
 class Recorder:
     def __init__(self):
         self.events = []
+        self.frozen = []  # gc.get_freeze_count() at the end of each step
 
     def run_started(self, run_id, start, total):
         self.events.append(("run", start, total))
@@ -57,6 +59,7 @@ class Recorder:
     def step_finished(self, step, metrics, line):
         assert f"step {step:>4}" in line and "critic/score/mean" in metrics
         self.events.append(("step", step))
+        self.frozen.append(gc.get_freeze_count())
 
 
 def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, prefect_api):
@@ -76,6 +79,7 @@ def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, pr
         "rollout.max_new_tokens=48",
         "trainer.val_before_train=true",
     ]
+    frozen = gc.get_freeze_count()
     with (
         temporary_settings({PREFECT_API_URL: prefect_api}),
         display,
@@ -93,6 +97,9 @@ def test_a_flow_run_announces_its_stages_and_the_display_draws_them(tmp_path, pr
             expected += [("start", 2, "validate"), ("end", 2, "validate", False)]
         expected.append(("step", step))
     assert recorder.events == expected
+    # the run's start-up is frozen out of the collector's sight while it trains, and given
+    # back when the flow ends (a process that runs flow after flow would keep each one's)
+    assert all(n > frozen for n in recorder.frozen) and gc.get_freeze_count() == frozen
     drawn = screen.getvalue()
     assert "tok/s" in drawn and "tokens" in drawn  # polled from the engine during rollout
     assert "2/2" in drawn and "ETA 0:00:00" in drawn and "s/step" in drawn

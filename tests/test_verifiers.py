@@ -55,3 +55,13 @@ def test_multi_turn_env_runs_its_own_turns_as_one_sequence():
 def test_a_bad_environment_is_named():
     with pytest.raises(ValueError, match="verifiers:vf_envs:nope"):
         engine_for("nope")
+
+
+def test_a_verifiers_val_source_takes_the_eval_split():
+    from hybrid_engine.data import PromptData
+
+    source = "data.val_source=verifiers:vf_envs:single_turn"
+    data = PromptData(load_config("configs/verifiers_tiny.yaml", [source]).data)
+    train = {r["prompt"][-1]["content"] for r in data.train}
+    val = {r["prompt"][-1]["content"] for r in data.val}
+    assert data.val_dropped == 0 and len(val) == 4 and not train & val  # QUESTIONS[24:]

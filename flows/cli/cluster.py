@@ -8,6 +8,7 @@ import json
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from flows.cli.runs import console, fail
 from hybrid_engine import RAY_ENV  # noqa: F401 - sets Ray's environment before ray is imported
@@ -73,7 +74,7 @@ def status() -> None:
             node_id[:12],
             n["NodeManagerAddress"],
             "head" if "node:__internal_head__" in total else "worker",
-            "alive" if n["Alive"] else "[red]dead[/]",
+            "alive" if n["Alive"] else Text("dead", "red"),
             f"{avail.get('CPU', 0):g}/{total.get('CPU', 0):g}" if n["Alive"] else "-",
             ", ".join(f"{k}={v:g}" for k, v in sorted(custom.items())) or "-",
             ", ".join(placed.get(node_id, [])) or "-",

@@ -29,6 +29,7 @@ from typing import Annotated
 
 import psutil
 import typer
+from rich.text import Text
 
 from flows.cli.options import (
     StorageRoot,
@@ -111,9 +112,8 @@ def _run_flow(
             from storage.store import RunStore
 
             refuse_existing(RunStore(cfg.storage, run_id))
-            console.print(
-                f"run id: [bold]{run_id}[/]" + (f" (a fork of {fork_from})" if fork_from else "")
-            )
+            fork = f" (a fork of {fork_from})" if fork_from else ""
+            console.print(Text.assemble("run id: ", (run_id, "bold"), fork))
         # before Prefect starts threads (see its docstring); only where the models live: a
         # pool's driver holds none, and keeping every block it frees only holds memory
         if cfg.trainer.reuse_freed_memory and cfg.trainer.backend == "local":
@@ -170,11 +170,11 @@ def _run_flow(
         # imported (a config error), and importing it just to check would cost a second.
         prefect = sys.modules.get("prefect.exceptions")
         if prefect and isinstance(e, prefect.CancelledRun):
-            console.print(f"[yellow]{e}[/]", soft_wrap=True)
+            console.print(str(e), style="yellow", soft_wrap=True)
             raise typer.Exit(143) from None
         if debug:
             raise
-        console.print(f"[red]error:[/] {type(e).__name__}: {e}", soft_wrap=True)
+        console.print(Text.assemble(("error:", "red"), f" {type(e).__name__}: {e}"), soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -327,9 +327,14 @@ def replay(
         )
         differ = 0
         for a in audits:
-            mark = {True: "[green]bit-equal[/]", False: f"[red]{a.detail}[/]", None: a.detail}
+            mark = {
+                True: Text("bit-equal", "green"),
+                False: Text(a.detail, "red"),
+                None: Text(a.detail),
+            }
             console.print(
-                f"{a.step}/{a.stage}: {mark[a.equal]} ({a.seconds:.2f} s)", highlight=False
+                Text.assemble(f"{a.step}/{a.stage}: ", mark[a.equal], f" ({a.seconds:.2f} s)"),
+                highlight=False,
             )
             table.add_row(f"{a.step}/{a.stage}", mark[a.equal], f"{a.seconds:.2f}")
             differ += a.equal is False
@@ -421,7 +426,7 @@ def pool_status(pool: PoolName = "default") -> None:
             str(w.get("weights_version", "-")),
             f"{w['rss_gb']:.2f}" if "rss_gb" in w else "-",
             f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
-            "ok" if healthy else f"[red]{w.get('error') or 'unhealthy'}[/]",
+            "ok" if healthy else Text(w.get("error") or "unhealthy", "red"),
         )
     console.print(table)
 
@@ -471,7 +476,9 @@ def deploy(
         console.print(f"work pool {pool!r} created (type process)")
     for d in got["deployments"]:
         when = ", ".join(f"cron {c}" for c in d["schedules"]) or "no schedule"
-        console.print(f"deployed [bold]{d['name']}[/] on pool {d['pool']!r}: {when}")
+        console.print(
+            Text.assemble("deployed ", (d["name"], "bold"), f" on pool {d['pool']!r}: {when}")
+        )
     pool = got["deployments"][0]["pool"]
     console.print(
         f"flow runs execute in {got['home']}. Next:\n"

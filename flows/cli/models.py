@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from flows.cli.options import StorageRoot, TrackingUri, as_overrides
 from flows.cli.runs import console, fail
@@ -37,11 +38,11 @@ def evaluate(
         )
     except Exception as e:
         fail(e)
-    console.print(f"[bold]{got['evaluated']}[/]")
+    console.print(got["evaluated"], style="bold")
     for key, value in got["metrics"].items():
         console.print(f"  {key:<28} {value:.3f}")
     if "why" in got:
-        console.print(("[green]" if got["promoted"] else "[yellow]") + got["why"] + "[/]")
+        console.print(got["why"], style="green" if got["promoted"] else "yellow")
 
 
 def register(
@@ -72,8 +73,11 @@ def register(
     except Exception as e:
         fail(e)
     console.print(
-        f"registered as [bold]{name}[/]: load it with "
-        f"mlflow.transformers.load_model('models:/{name}')"
+        Text.assemble(
+            "registered as ",
+            (name, "bold"),
+            f": load it with mlflow.transformers.load_model('models:/{name}')",
+        )
     )
 
 
@@ -118,7 +122,10 @@ def warmstart(
     except Exception as e:
         fail(e)
     console.print(
-        f"{got['examples']} demonstrations, {got['trained_tokens']} trained tokens, "
-        f"loss {got['losses'][0]:.3f} -> {got['losses'][-1]:.3f} in {got['seconds']:.0f} s; "
-        f"train from it with [bold]model.path={out}[/]"
+        Text.assemble(
+            f"{got['examples']} demonstrations, {got['trained_tokens']} trained tokens, "
+            f"loss {got['losses'][0]:.3f} -> {got['losses'][-1]:.3f} in {got['seconds']:.0f} s; "
+            "train from it with ",
+            (f"model.path={out}", "bold"),
+        )
     )

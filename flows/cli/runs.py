@@ -7,16 +7,19 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from flows.cli.options import StorageRoot, TrackingUri, as_overrides
 
-console = Console()
+# Markup off: messages, run ids, tags and table cells are the user's text, printed as written
+# (rich would read "[vllm]" as a tag and drop it); styles are given as `style=` or `Text`.
+console = Console(markup=False)
 runs_app = typer.Typer(help="Training runs: as MLflow tracked them, and their forks in storage.")
 
 
 def fail(e: Exception) -> None:
     """One red line naming the problem, exit status 1."""
-    console.print(f"[red]error:[/] {e}", soft_wrap=True)
+    console.print(Text.assemble(("error:", "red"), f" {e}"), soft_wrap=True)
     raise typer.Exit(1) from None
 
 
@@ -68,7 +71,9 @@ def runs_show(
         run = find_run(tracking_uri, run_id, experiment)
     except (LookupError, TrackingUnavailable) as e:
         fail(e)
-    console.print(f"[bold]{run_id}[/]  {run.info.status}  mlflow run {run.info.run_id}")
+    console.print(
+        Text.assemble((run_id, "bold"), f"  {run.info.status}  mlflow run {run.info.run_id}")
+    )
     for k, v in sorted(run.data.tags.items()):
         if k.startswith(("hybridrl.", "prefect.")):
             console.print(f"  {k:<24} {v}")
@@ -140,14 +145,16 @@ def runs_tree(run_id: str, storage_root: StorageRoot = None) -> None:
     if run_id not in runs:
         fail(FileNotFoundError(f"no run {run_id!r} under {_storage(storage_root).root}"))
 
-    def label(r: str) -> str:
+    def label(r: str) -> Text:
         doc, lin = runs[r], runs[r].get("lineage") or {}
         steps = doc["config"]["trainer"]["total_training_steps"]
-        text = f"[bold]{r}[/]  {steps} steps"
+        text = Text.assemble((r, "bold"), f"  {steps} steps")
         if lin:
             changes = ", ".join(f"{k}={v}" for k, v in lin.get("overrides", {}).items())
-            text += f"  forked at {lin['at']}" + (f": {changes}" if changes else "")
-        return text + ("  [red](deleted; kept for its forks)[/]" if doc.get("deleted") else "")
+            text.append(f"  forked at {lin['at']}" + (f": {changes}" if changes else ""))
+        if doc.get("deleted"):
+            text.append("  (deleted; kept for its forks)", "red")
+        return text
 
     top = run_id
     while (p := (runs[top].get("lineage") or {}).get("parent")) in runs:
@@ -199,4 +206,6 @@ def runs_delete(
             client_for(doc["mlflow_tracking_uri"]).delete_run(doc["mlflow_run_id"])
             console.print(f"MLflow run {doc['mlflow_run_id']} marked deleted")
         except Exception as e:  # the store moved or is down: the storage side is done
-            console.print(f"[yellow]MLflow run {doc['mlflow_run_id']} not marked deleted: {e}[/]")
+            console.print(
+                f"MLflow run {doc['mlflow_run_id']} not marked deleted: {e}", style="yellow"
+            )

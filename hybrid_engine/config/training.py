@@ -53,7 +53,9 @@ class DataConfig(Section):
         "extra) or a .parquet/.jsonl file of verl-style rows",
     )
     val_source: str | None = Field(
-        None, description="validation rows; None = a held-out split of the task generator"
+        None,
+        description="validation rows, as train_source (a verifiers environment: its eval "
+        "split); None = a held-out split of the task generator",
     )
     task_config: dict[str, Any] = Field(
         default_factory=dict,
@@ -119,6 +121,9 @@ class PolicyLossConfig(Section):
     )
     tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0")
     tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where A <= 0")
+    aggregation: LossAggMode | None = Field(
+        None, description="its own aggregation (null: actor.loss_agg_mode, the entropy/KL terms')"
+    )
 
 
 class LoraSettings(Section):
@@ -454,10 +459,10 @@ class FilterGroupsConfig(Section):
     )
     adaptive_rounds: bool = Field(
         True,
-        description="each round rolls out, in one generate call, the prompts a kept rate says "
-        "the missing groups take: the first round the previous step's rate (at least a "
-        "batch), later ones the step's own so far; at most rollout.micro_batch_size / "
-        "rollout.n; false: one generation batch per round, as verl's DAPO recipe",
+        description="each round rolls out, in one generate call, the whole generation "
+        "batches that hold the prompts a kept rate says the missing groups take: the first "
+        "round the previous step's rate, later ones the step's own so far; at most "
+        "rollout.micro_batch_size / rollout.n prompts; false: one batch per round (verl)",
     )
     on_exhausted: Literal["fail", "train"] = Field(
         "fail",

@@ -212,7 +212,8 @@ class ActorRolloutRef:
         if a.use_kl_loss and "ref_log_prob" not in batch:
             raise ValueError("actor.use_kl_loss needs ref_log_prob in the batch")
         scale = a.loss_scale_factor or self.cfg.max_response_length
-        pg_agg = loss_aggregation(a.policy_loss.mode, a.loss_agg_mode)
+        pg_mode = a.policy_loss.aggregation or a.loss_agg_mode
+        pg_agg = loss_aggregation(a.policy_loss.mode, pg_mode)
 
         def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
             mask = small["response_mask"]
@@ -236,7 +237,7 @@ class ActorRolloutRef:
                 a.clip_ratio_low,
                 a.clip_ratio_high,
                 a.clip_ratio_c,
-                a.loss_agg_mode,
+                pg_mode,
                 a.policy_loss.mode,
                 None if is_weights is None else is_weights[:, :keep],
                 a.policy_loss.tau_pos,

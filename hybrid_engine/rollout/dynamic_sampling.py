@@ -6,22 +6,24 @@ a step's rollout is a loop over *rounds* of the data order's *generation batches
 `data.train_batch_size` (B) prompts:
 
     g = the step's first generation batch (the one after the previous step's last)
-    round 1: roll out and score generation batch g (`adaptive_rounds`: from the start of
-        g, the prompts the previous step's kept rate says B groups take, at least B)
+    round 1: roll out and score generation batch g (`adaptive_rounds`: from g on, the whole
+        generation batches that hold the prompts the previous step's kept rate says B groups
+        take, at least one)
     repeat until B groups whose metric varies (or that have one sample) are kept, at most
-    `max_num_gen_batches` x B prompts per step (0 = no limit):
-        next round: the next n prompts from the start of the next generation batch, with
-        n = ceil(groups missing / kept rate of this step so far) (`adaptive_rounds`; the
-        most the round's decode batch holds, `cap`, while no group was kept), one generate
-        call; without `adaptive_rounds`, n = B (verl's recipe)
+    `max_num_gen_batches` generation batches per step (0 = no limit):
+        next round: the next generation batches, enough for n = ceil(groups missing / kept
+        rate of this step so far) prompts (`adaptive_rounds`; the most the round's decode
+        batch holds, `cap`, while no group was kept), one generate call; without
+        `adaptive_rounds`, one (verl's recipe)
     the step trains on the first B kept groups, in generation order
 
-A round that starts at generation batch g samples with g's seed, so a round of B prompts is
+A round that starts at generation batch g samples with g's seed, so a round of one batch is
 exactly what step g rolls out without filtering (`PromptData.step_rows(g)`). The data order
-is one stream and each prompt is used at most once: a step records the generation batches
-its rounds used and how many prompts of each, the next step starts after them, and the rest
-of a round's last generation batch is skipped, as verl's recipe drops the groups it
-generated beyond the batch. When the limit is reached with too few groups,
+is one stream and every prompt of it is generated exactly once, as in verl's recipe: rounds
+are whole generation batches, a step records the batches its rounds used (and how many
+prompts of each: all of them), the next step starts after them, and the groups kept beyond
+the B a step trains on are dropped, as verl's recipe drops them. When the limit is reached
+with too few groups,
 `on_exhausted: fail` stops the run (as verl's DAPO recipe does), `train` fills the batch with
 filtered-out groups in generation order.
 
@@ -108,20 +110,22 @@ def round_prompts(
     allowed: int | None,
     prior: Sequence[int] | None = None,
 ) -> int:
-    """Prompts of the step's next round (module doc): without `adaptive`, one batch; else
-    what the kept rate says the missing groups take, within [1, `cap`] and the `allowed`
-    rest of the limit; the first round takes the rate of `prior` (groups kept, prompts used
-    by the step before), at least a batch."""
+    """Prompts of the step's next round (module doc), whole generation batches of `groups`:
+    without `adaptive`, one; else those that hold what the kept rate says the missing groups
+    take, at most the `cap // groups` batches a round holds and the `allowed` batches left
+    of the limit, at least one; the first round takes the rate of `prior` (groups kept,
+    prompts used by the step before)."""
     if not adaptive or consumed == 0 and not prior:
         n = groups
     elif consumed == 0:  # the first round, at the rate of the step before
         k, c = prior
-        n = max(groups, cap if k == 0 else min(cap, math.ceil(groups * c / k)))
+        n = cap if k == 0 else math.ceil(groups * c / k)
     elif kept == 0:
         n = cap
     else:
-        n = min(cap, math.ceil((groups - kept) * consumed / kept))
-    return max(1, n if allowed is None else min(n, allowed))
+        n = math.ceil((groups - kept) * consumed / kept)
+    batches = min(-(-n // groups), cap // groups)
+    return groups * max(1, batches if allowed is None else min(batches, allowed))
 
 
 def dynamic_rollout(
@@ -148,13 +152,13 @@ def dynamic_rollout(
     parts: list[Batch] = []
     kept: list[str] = []  # uids of the varied groups, in generation order
     used: list[tuple[int, int]] = []  # (generation batch, prompts used of it)
-    limit = max_num_gen_batches * groups
+    limit = max_num_gen_batches
     g, consumed = first_gen_batch, 0
     while True:
         j = len(parts) + 1
         part = load(j) if load is not None else None
         if part is None:
-            allowed = limit - consumed if limit else None
+            allowed = limit - len(used) if limit else None
             n = round_prompts(groups, len(kept), consumed, cap or groups, adaptive, allowed, prior)
             part = generate(g, n)
             part["kept"] = varied_groups(part, metric)
@@ -168,7 +172,7 @@ def dynamic_rollout(
         kept += list(dict.fromkeys(u for u, k in zip(part["uid"], part["kept"], strict=True) if k))
         if len(kept) >= groups:
             break
-        if limit and consumed >= limit:
+        if limit and len(used) >= limit:
             if on_exhausted == "fail":
                 raise DynamicSamplingExhausted(
                     f"dynamic sampling: {len(used)} generation batches (algorithm.filter_groups."

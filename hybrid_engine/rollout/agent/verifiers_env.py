@@ -3,6 +3,7 @@ whose `Environment`, `SingleTurnEnv`, `MultiTurnEnv` and `ToolEnv` score with a 
 
     data.train_source: verifiers:<env>     the environment's dataset (validation: its
                                            eval_dataset, else its dataset)
+    data.val_source: verifiers:<env>       its eval_dataset, else its dataset
     rollout.agent.function: hybrid_engine.rollout.agent.verifiers_env:rollout
 
 `<env>` is an environment id, loaded with `vf.load_environment(id, **data.task_config)`, or

@@ -37,9 +37,9 @@ _LOCK = threading.Lock()
 HIDDEN = {"done", "reward", "metadata"}
 
 
-def serve_class(path: str) -> str:
+def serve_class(path: str, timeout_s: float = 60.0) -> str:
     """The URL of an OpenEnv server for the `Environment` class `path` (started on first use,
-    in a thread of this process, on a free port of 127.0.0.1)."""
+    in a thread of this process, on a free port of 127.0.0.1, within `timeout_s`)."""
     with _LOCK:
         if path in _SERVED:
             return _SERVED[path]
@@ -63,10 +63,23 @@ def serve_class(path: str) -> str:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        threading.Thread(
+        thread = threading.Thread(
             target=server.run, kwargs={"sockets": [sock]}, name="openenv", daemon=True
-        ).start()
+        )
+        thread.start()
+        deadline = time.monotonic() + timeout_s
         while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(
+                    f"{PREFIX}{path}: the in-process OpenEnv server stopped before it started "
+                    "(its log says why)"
+                )
+            if time.monotonic() >= deadline:
+                server.should_exit = True  # a late start shuts down at once
+                raise TimeoutError(
+                    f"{PREFIX}{path}: the in-process OpenEnv server did not start within "
+                    f"{timeout_s:g} s (rollout.multi_turn.env_kwargs.timeout_s)"
+                )
             time.sleep(0.01)
         _SERVED[path] = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return _SERVED[path]
@@ -98,7 +111,7 @@ class OpenEnvEnvironment(Environment):
         import httpx
         from openenv.core import GenericEnvClient
 
-        url = target if "://" in target else serve_class(target)
+        url = target if "://" in target else serve_class(target, timeout_s)
         self.name = f"{PREFIX}{target}"
         schema = httpx.get(f"{url}/schema", timeout=timeout_s).json()["action"]
         text = json.dumps(schema)
