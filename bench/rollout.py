@@ -1,12 +1,18 @@
-"""Rollout speed: hybridrl's `hf` backend vs plain `model.generate`, and this machine's floor.
+"""Rollout speed: hybridrl's `hf` backend vs plain `model.generate` (and with `--vllm` the
+`vllm` backend), and this machine's floor.
 
     .venv/bin/python bench/rollout.py [--prompts 8] [--n 4] [--max-new-tokens 32] [--repeats 2]
+                                      [--vllm] [--equal-work]
 
-Prints completion tokens per second for both (sampling at temperature 1.0, SmolLM2-135M), and
+Prints completion tokens per second for each (sampling at temperature 1.0, SmolLM2-135M), and
 the floor of any decoder here: a decode step must run every weight matrix of the model once
 (all `nn.Linear` layers, LM head included) for the whole batch. Timed alone, those matmuls
 give the most tokens/s any implementation can reach at this batch without changing the
-work (no draft model, no quantisation).
+work (no draft model, no quantisation). `--equal-work`: no row stops early (the stop token
+is an id the model never samples), so every backend decodes the same rows x tokens.
+`--vllm` needs the vLLM environment (`scripts/setup_vllm.sh`); its engine starts after the
+others ran (its idle threads would share their cores), and its first round (warm-up) is
+reported apart.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--vllm", action="store_true", help="also the vllm backend")
+    ap.add_argument("--equal-work", action="store_true", help="every row max-new-tokens long")
     args = ap.parse_args()
     cfg = load_config("configs/demo_cpu.yaml")
     tok = load_tokenizer(cfg.model)
@@ -52,7 +60,8 @@ def main() -> None:
     rows = PromptData(cfg.data).step_rows(1)[: args.prompts]
     prompts = prompt_batch(rows, tok, 256)
     batch = prompts.repeat_interleave(args.n)
-    ours = HFRollout(model, tok.pad_token_id, tok.eos_token_id, micro_batch_size=len(batch))
+    eos = len(tok) if args.equal_work else tok.eos_token_id  # len(tok): never sampled
+    ours = HFRollout(model, tok.pad_token_id, eos, micro_batch_size=len(batch))
     print(
         f"torch threads: {torch.get_num_threads()}, batch {len(batch)} sequences, "
         f"{args.max_new_tokens} new tokens, temperature 1.0"
@@ -77,11 +86,11 @@ def main() -> None:
                 top_k=0,
                 top_p=1.0,
                 pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
+                eos_token_id=eos,
             )
         secs = time.perf_counter() - start
         resp = seq[:, batch["prompt_ids"].shape[1] :]
-        plain_tokens = int(response_mask_from_ids(resp, tok.eos_token_id).sum())
+        plain_tokens = int(response_mask_from_ids(resp, eos).sum())
         plain_tps.append(plain_tokens / secs)
         print(
             f"repeat {r}: hybridrl hf {ours_tps[-1]:7.1f} tok/s ({out.meta['gen_tokens']} "
@@ -111,6 +120,46 @@ def main() -> None:
         f"step), prefill of the {len(prompts)} distinct prompts {prefill_s:.2f} s: at best "
         f"{best:.0f} tok/s = {best / plain:.2f}x plain generate"
     )
+    if args.vllm:
+        vllm_rounds(model, tok, batch, eos, args, plain, statistics.median(ours_tps))
+
+
+def vllm_rounds(model, tok, batch, eos, args, plain: float, hf: float) -> None:
+    """The vllm backend on the same batch: a warm-up round, then `repeats` timed rounds.
+    Starts (and afterwards stops) a local Ray head of its own unless one is running."""
+    import ray
+
+    from hybrid_engine.pool import cluster
+    from hybrid_engine.rollout.vllm import VLLMRollout, strip_left_padding, vllm_sampling_kwargs
+
+    had_head = (cluster.state_dir() / "head.json").is_file()
+    vcfg = load_config("configs/demo_cpu.yaml", ["rollout.name=vllm"])
+    start = time.perf_counter()
+    engine = VLLMRollout.build(vcfg, model, tok)
+    print(f"vllm engine up in {time.perf_counter() - start:.1f} s ({engine.info})")
+    prompt_rows = strip_left_padding(batch["prompt_ids"], batch["prompt_mask"])
+    try:
+        tps = []
+        for r in range(args.repeats + 1):
+            sp = SamplingParams(args.max_new_tokens, 1.0, seed=r)
+            params = vllm_sampling_kwargs(sp, tok.eos_token_id, 0, len(prompt_rows))
+            if eos != tok.eos_token_id:  # equal work: vLLM refuses an out-of-vocabulary stop id
+                for p in params:
+                    p["min_tokens"] = args.max_new_tokens
+            tokens, _, secs = ray.get(engine.actor.generate.remote(prompt_rows, params))
+            n = sum(len(t) for t in tokens)
+            tps.append(n / secs)
+            name = "warm-up" if r == 0 else f"repeat {r - 1}"
+            print(f"vllm {name}: {tps[-1]:7.1f} tok/s ({n} tokens)")
+        med = statistics.median(tps[1:])
+        print(
+            f"median: vllm {med:.1f} tok/s = {med / plain:.2f}x plain generate, "
+            f"{med / hf:.2f}x the hf backend"
+        )
+    finally:
+        engine.close()
+        if not had_head:
+            cluster.stop_local_head()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from hybrid_engine.rollout.base import SamplingParams, step_seed
 from hybrid_engine.rollout.dynamic_sampling import dynamic_rollout
 from hybrid_engine.rollout.multiturn import env_rollout, multi_turn_metrics, multi_turn_scores
 from hybrid_engine.staleness import WeightsFeed, rollout_version, staleness_metrics
-from hybrid_engine.step_metrics import batch_stats, finish_step, timer
+from hybrid_engine.step_metrics import batch_stats, finish_step, rollout_timings, timer
 
 
 class Engine:
@@ -236,7 +236,7 @@ class Engine:
                 episode_log,
             )
         batch["weights_version"] = torch.full((len(batch),), version, dtype=torch.long)
-        metrics["timing_s/reshard"] = batch.meta.get("reshard_s", 0.0)
+        metrics |= rollout_timings(batch.meta)
         if "agent_fault" in batch:
             metrics |= multi_turn_metrics(batch, "agent/", ("done", "fault"))
             metrics |= batch.meta["agent_metrics"]

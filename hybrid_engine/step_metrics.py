@@ -17,6 +17,13 @@ def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
     metrics[f"timing_s/{name}"] = time.perf_counter() - start
 
 
+def rollout_timings(meta: dict) -> dict[str, float]:
+    """What a generate call reports about itself: `timing_s/reshard` (gathering or pushing
+    the weights), and a backend's own metrics (vllm: `timing_s/weight_sync` and the log-prob
+    gap to the trainer, `rollout/logprob_gap_mean` / `_max`)."""
+    return {"timing_s/reshard": meta.get("reshard_s", 0.0), **meta.get("rollout_metrics", {})}
+
+
 def peak_rss_gb() -> float:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2

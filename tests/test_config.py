@@ -46,7 +46,24 @@ def test_precedence_defaults_yaml_env_override(tmp_path, monkeypatch):
         (["actor.ppo_micro_batch_size=5"], "actor.ppo_micro_batch_size=5 must divide"),
         (["rollout.n=1"], "rollout.n=1"),
         (["rollout.n"], "not of the form"),
-        (["rollout.name=vllm"], "rollout.name=vllm runs on GPUs in the Ray pool"),
+        (
+            ["rollout.name=vllm", "rollout.top_p=0.9"],
+            "rollout.top_p=0.9 / top_k=0 with rollout.name=vllm: its log-probs would be",
+        ),
+        (["rollout.name=vllm", "rollout.top_k=5"], "top_k=5 with rollout.name=vllm"),
+        (
+            ["rollout.name=vllm", "rollout.multi_turn.enabled=true"],
+            "rollout.multi_turn.enabled with rollout.name=vllm is not built yet",
+        ),
+        (
+            ["rollout.name=vllm", "algorithm.filter_groups.enabled=true"],
+            "algorithm.filter_groups (dynamic sampling) with rollout.name=vllm is not built",
+        ),
+        (["rollout.name=vllm", "actor.lora.rank=4"], "actor.lora.rank=4 with rollout.name=vllm"),
+        (
+            ["rollout.name=vllm", "actor.layout.rollout.separate_copy=true"],
+            "actor.layout.rollout.separate_copy applies to the hf rollout only",
+        ),
         (["actor.layout.dp=2"], "actor.layout.dp=2: the local backend runs one rank"),
         (["ray.critic=separate"], "need trainer.backend=ray"),
         (["trainer.backend=ray", "actor.layout.dp=3"], "must split evenly over 3"),
@@ -60,13 +77,8 @@ def test_precedence_defaults_yaml_env_override(tmp_path, monkeypatch):
             "actor.layout.rollout.dp=1",
         ),
         (
-            [
-                "trainer.backend=ray",
-                "ray.num_gpus_per_rank=1",
-                "rollout.name=vllm",
-                "actor.layout.rollout.tp=2",
-            ],
-            "actor.layout.rollout.tp=2 x dp=1 must equal",
+            ["rollout.name=vllm", "actor.layout.rollout.tp=2"],
+            "actor.layout.rollout.tp=2: the vllm rollout keeps full weights per replica",
         ),
         (["ray.pool_name=../x"], "ray.pool_name='../x'"),
     ],
@@ -75,6 +87,16 @@ def test_errors_name_key_and_value(overrides, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert needle in str(e.value)
+
+
+def test_vllm_loads_on_cpu_and_its_agent_combination_is_refused():
+    cfg = load_config("configs/grpo_tiny.yaml", ["rollout.name=vllm"])  # no GPU needed
+    assert cfg.rollout.name == "vllm" and cfg.device == "cpu"
+    with pytest.raises(ConfigError, match="rollout.agent.function with rollout.name=vllm"):
+        load_config(
+            "configs/grpo_tiny.yaml",
+            ["rollout.name=vllm", "rollout.agent.function=agent_fns:answer_sync"],
+        )
 
 
 def test_critic_sizes_checked_only_with_gae():

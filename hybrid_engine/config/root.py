@@ -314,37 +314,57 @@ class HybridConfig(BaseSettings):
                     f"{role}.ppo_mini_batch_size / {group_dp} ranks = {mini // group_dp}"
                 )
         rdp = lay.rollout.dp or lay.dp
-        if not ROLLOUT_BACKENDS.info(self.rollout.name)["tensor_parallel"]:
-            if lay.rollout.tp != 1:
-                raise ValueError(
-                    f"actor.layout.rollout.tp={lay.rollout.tp}: the hf rollout keeps full weights "
-                    "per replica; tensor-parallel rollout needs rollout.name=vllm (GPU)"
-                )
-            if rdp != lay.dp and not self.separate_rollout:
-                raise ValueError(
-                    f"actor.layout.rollout.dp={rdp}: with the colocated hf rollout every training "
-                    f"rank is one replica, so it must equal actor.layout.dp={lay.dp}"
-                )
-        else:
-            if backend != "ray" or self.ray.num_gpus_per_rank <= 0:
-                raise ValueError(
-                    "rollout.name=vllm runs on GPUs in the Ray pool: set trainer.backend=ray and "
-                    "ray.num_gpus_per_rank > 0 (install the [vllm] extra on a GPU machine)"
-                )
-            if lay.rollout.tp * rdp != lay.dp:
-                raise ValueError(
-                    f"actor.layout.rollout.tp={lay.rollout.tp} x dp={rdp} must equal "
-                    f"actor.layout.dp={lay.dp}: the rollout engines use the training ranks' GPUs"
-                )
-            if lay.rollout.separate_copy:
-                raise ValueError(
-                    "actor.layout.rollout.separate_copy applies to the hf rollout only"
-                )
-            if self.actor.lora.rank:
-                raise ValueError(
-                    f"actor.lora.rank={self.actor.lora.rank} with rollout.name=vllm: pushing "
-                    "LoRA weights to vLLM is not built; use rollout.name=hf"
-                )
+        name = self.rollout.name
+        if lay.rollout.tp != 1:
+            raise ValueError(
+                f"actor.layout.rollout.tp={lay.rollout.tp}: the {name} rollout keeps full "
+                "weights per replica; tensor-parallel rollout is not built"
+            )
+        if rdp != lay.dp and not self.separate_rollout:
+            raise ValueError(
+                f"actor.layout.rollout.dp={rdp}: with a colocated rollout every training "
+                f"rank is one replica, so it must equal actor.layout.dp={lay.dp}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_rollout_engine(self) -> HybridConfig:
+        """A backend registered `single_turn_only` (vllm) refuses what it does not run yet."""
+        name = self.rollout.name
+        if not ROLLOUT_BACKENDS.info(name)["single_turn_only"]:
+            return self
+        r, why = self.rollout, f"with rollout.name={name}"
+        refused = [
+            (
+                r.top_p < 1 or r.top_k > 0,
+                f"rollout.top_p={r.top_p} / top_k={r.top_k} {why}: "
+                "its log-probs would be of the truncated distribution, the trainer's of the full "
+                "one; set rollout.top_p=1 and rollout.top_k=0",
+            ),
+            (r.multi_turn.enabled, f"rollout.multi_turn.enabled {why} is not built yet"),
+            (bool(r.agent.function), f"rollout.agent.function {why} is not built yet"),
+            (
+                self.algorithm.filter_groups.enabled,
+                f"algorithm.filter_groups (dynamic sampling) {why} is not built yet",
+            ),
+            (self.ray.rollout == "separate", f"ray.rollout=separate {why} is not built yet"),
+            (
+                self.actor.lora.rank > 0,
+                f"actor.lora.rank={self.actor.lora.rank} {why}: "
+                "pushing LoRA weights to vLLM is not built yet",
+            ),
+            (
+                self.actor.layout.rollout.separate_copy,
+                "actor.layout.rollout.separate_copy applies to the hf rollout only",
+            ),
+            (
+                self.model.dtype != "float32" and self.device == "cpu",
+                f"model.dtype={self.model.dtype} {why} on CPU: only float32 is verified",
+            ),
+        ]
+        for bad, message in refused:
+            if bad:
+                raise ValueError(f"{message}; or use rollout.name=hf")
         return self
 
 

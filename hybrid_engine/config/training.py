@@ -19,6 +19,7 @@ from hybrid_engine.config.base import (
     Section,
     reads,
 )
+from hybrid_engine.config.vllm import VLLMSettings
 from hybrid_engine.registry import ENVIRONMENTS
 from hybrid_engine.specs import load_spec
 
@@ -291,7 +292,7 @@ class RolloutConfig(Section):
     name: RolloutBackend = Field(
         "hf",
         description="rollout backend: a decoding loop on the transformers model (StaticCache), "
-        "or vLLM (GPU, [vllm] extra)",
+        "or vLLM in its own environment (scripts/setup_vllm.sh)",
     )
     n: int = Field(4, gt=0, description="samples per prompt")
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
@@ -303,8 +304,8 @@ class RolloutConfig(Section):
     micro_batch_size: int = Field(
         64,
         gt=0,
-        description="hf backend: most sequences decoding at once; one that ends frees its slot "
-        "for the next (continuous batching)",
+        description="most sequences decoding at once (vllm: max_num_seqs); hf: one that ends "
+        "frees its slot for the next (continuous batching)",
     )
     continuous_batching: bool = Field(
         True,
@@ -322,6 +323,7 @@ class RolloutConfig(Section):
     val: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    vllm: VLLMSettings = Field(default_factory=VLLMSettings)
 
 
 class RefConfig(Section):

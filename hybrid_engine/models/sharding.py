@@ -8,6 +8,7 @@
   one at a time, from its shards into a full-weight rollout module; after generation the full
   tensors are dropped again (`separate_copy` keeps them, the baseline that bench/memory.py
   compares against).
+- `engine_weights` gives an engine in another process (vLLM) full weights as numpy arrays.
 - `save_state` / `load_state` write and read a role's weights (full, safetensors), optimizer
   and scheduler state, and RNG state at an fsspec URL. The files do not depend on the number
   of ranks: a state saved with 2 ranks loads into 1.
@@ -22,10 +23,10 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import fsspec
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load as st_load
@@ -371,7 +372,17 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return {"state": {n: st for n, st in state.items() if st}, "param_groups": groups}
 
 
-def named_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) one parameter at a time, for engines that load weights in place."""
-    for name, p in model.named_parameters():
-        yield name, p.full_tensor() if isinstance(p, DTensor) else p.detach()
+def engine_weights(model: nn.Module) -> tuple[list[str], list[np.ndarray]]:
+    """(HF names, numpy arrays) of every weight a rollout engine in another process loads
+    (vLLM), one full copy each: plain data, readable without this environment's torch.
+
+    `named_parameters()` lists a tied `lm_head.weight` under the embedding only; vLLM's CPU
+    backend prepacks its LM head separately, so it is pushed under its own name too (else the
+    engine keeps the old LM head silently). FSDP shards are gathered (`full_tensor`).
+    """
+    names, arrays = [], []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        names.append(name)
+        arrays.append(t.to("cpu", copy=True).contiguous().numpy())
+    return names, arrays

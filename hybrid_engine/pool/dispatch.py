@@ -102,6 +102,12 @@ def merge_meta(metas: list[dict]) -> dict:
             out[key] = sum(m[key] for m in metas)
     if all("reshard_s" in m for m in metas):
         out["reshard_s"] = max(m["reshard_s"] for m in metas)
+    if all(m.get("rollout_metrics") for m in metas):  # a backend's own: means, else the worst
+        merged = {}
+        for k in metas[0]["rollout_metrics"]:
+            values = [m["rollout_metrics"][k] for m in metas]
+            merged[k] = sum(values) / len(values) if k.endswith("_mean") else max(values)
+        out["rollout_metrics"] = merged
     return out
 
 

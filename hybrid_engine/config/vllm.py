@@ -1,0 +1,30 @@
+"""`rollout.vllm`: the settings of the vLLM rollout engine (`rollout.name: vllm`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from hybrid_engine.config.base import Section
+
+
+class VLLMSettings(Section):
+    """The engine runs in its own environment and process (`scripts/setup_vllm.sh`); these
+    are checked before it starts, each error naming its key."""
+
+    kv_cache_gb: int = Field(
+        1, ge=0, description="GiB of KV cache the engine reserves (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="longest prompt + response the engine takes; None = data.max_prompt_length "
+        "+ the widest response",
+    )
+    threads_bind: str = Field(
+        "",
+        description="cores the engine's OpenMP threads are bound to, a list such as 0-1 "
+        "(VLLM_CPU_OMP_THREADS_BIND); empty = every core of the machine",
+    )
+    start_timeout_s: float = Field(
+        600, gt=0, description="longest wait for the engine to load (it is refused after it)"
+    )
