@@ -233,6 +233,49 @@ def test_the_driver_keeps_token_auth_from_its_environment():
         assert (p.returncode, p.stdout.strip()) == (0, kept), p.stderr
 
 
+RAY_CLIENT = """
+import sys, hybrid_engine, ray
+try:
+    ray.init(address=sys.argv[1], _node_ip_address="127.0.0.1", logging_level="ERROR")
+except ConnectionError as e:
+    sys.exit(f"refused: {e}")
+print("nodes", len(ray.nodes()))
+"""
+
+
+def test_a_local_head_keeps_the_users_token_auth_and_refuses_a_tokenless_client(tmp_path):
+    """With RAY_AUTH_MODE=token in the user's environment, the local head the pool starts
+    (a real `ray start --head`) runs in token mode: a client with the token joins, a client
+    without one (auth disabled, no token file) is refused by the head."""
+    token = "ab" * 32
+    env = clean_env(HOME=str(tmp_path), HYBRIDRL_RAY_STATE=str(tmp_path / "ray"), PYTHONPATH=".")
+    user = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+    def python(code: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env={**env, **extra},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+
+    head = "from hybrid_engine.pool.cluster import local_head; print(local_head(True, 1))"
+    p = python(head, **user)
+    assert p.returncode == 0, p.stderr
+    address = p.stdout.split()[-1]
+    try:
+        p = python(RAY_CLIENT, address, **user)
+        assert (p.returncode, p.stdout.strip()) == (0, "nodes 1"), p.stderr[-2000:]
+        p = python(RAY_CLIENT, address, RAY_AUTH_MODE="disabled")
+        assert p.returncode == 1 and "refused: " in p.stderr, p.stdout + p.stderr[-2000:]
+        assert "Authentication token is missing or incorrect" in p.stderr
+    finally:
+        stop = "from hybrid_engine.pool.cluster import stop_local_head; stop_local_head()"
+        python(stop, **user)
+
+
 def mlflow_server_parts() -> tuple[dict, dict]:
     docs = {d["kind"]: d for d in documents(CLUSTER / "k8s" / "mlflow.yaml")}
     (container,) = containers_of(docs["Deployment"])
