@@ -268,7 +268,10 @@ def test_a_local_head_keeps_the_users_token_auth_and_refuses_a_tokenless_client(
     try:
         p = python(RAY_CLIENT, address, **user)
         assert (p.returncode, p.stdout.strip()) == (0, "nodes 1"), p.stderr[-2000:]
-        p = python(RAY_CLIENT, address, RAY_AUTH_MODE="disabled")
+        # two tries (Ray's default: 20 tries, ~1 s apart)
+        p = python(
+            RAY_CLIENT, address, RAY_AUTH_MODE="disabled", RAY_gcs_server_port_wait_time_s="2"
+        )
         assert p.returncode == 1 and "refused: " in p.stderr, p.stdout + p.stderr[-2000:]
         assert "Authentication token is missing or incorrect" in p.stderr
     finally:
