@@ -34,7 +34,7 @@ from flows.display import step_line
 from flows.opening import log_fork, materialize_start, open_run, record_run
 from flows.scheduler import RolloutsAhead
 from flows.tracking import StepLog
-from hybrid_engine.config import HybridConfig
+from hybrid_engine.config import HybridConfig, redact
 from hybrid_engine.engine import Engine
 from hybrid_engine.pool.group import WorkerLostError
 from storage.faults import fault_point
@@ -280,9 +280,9 @@ def finish_run(engine: Engine, store: RunStore, track: StepLog, done: Any) -> di
         store.run_id,
         {"hybridrl.registered": str(bool(registered)).lower()},
         run_id=store.run_id,
-        storage_root=store.cfg.root,
-        final=result["uri"],
-        tracking_uri=track.tracker.uri if track.tracker else None,
+        storage_root=redact(store.cfg.root),
+        final=redact(result["uri"]),
+        tracking_uri=redact(track.tracker.uri) if track.tracker else None,  # no password
         **(registered or {}),
     )
     return result | {"registered": registered}
