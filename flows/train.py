@@ -97,13 +97,14 @@ def train(
     name_flow_run(store.run_id)
     lease = RunLease(store, cfg.storage.lease_timeout_s)
     wait_s = 2 * cfg.storage.lease_timeout_s if restarted else 0  # the dead driver's lease
-    if taken := lease.acquire(wait_s, logger.warning):  # LeaseHeld: a live driver trains it
-        logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
-        mark_driver_lost(cfg, store, taken)
-    store.guard = lease.check  # a driver taken over while it stalled commits nothing more
-    recovery = Recovery(cfg, store)
+    taken = lease.acquire(wait_s, logger.warning)  # LeaseHeld: a live driver trains it
     track = engine = None
-    try:
+    try:  # from here on the lease (and the claim, once taken) is released however it ends
+        if taken:
+            logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
+            mark_driver_lost(cfg, store, taken)
+        store.guard = lease.check  # a driver taken over while it stalled commits nothing more
+        recovery = Recovery(cfg, store)
         with preemption():
             if resume:  # a SIGKILLed driver of this run may have left its Prefect server
                 doc = store.read_run() or {}
@@ -134,7 +135,6 @@ def train(
                         track.recovered(recovery.handle(e, engine), recovery.count)
                         rearm()
     except (Preempted, Exception) as error:
-        release(lease, engine)
         if (e := as_preempted(error)) is None:
             raise
         if cancelling():  # the SIGTERM was Prefect carrying out a cancellation
@@ -145,7 +145,8 @@ def train(
         )
         logger.warning(line)
         return Cancelled(name="Preempted", message=line)
-    release(lease, engine)
+    finally:  # whatever ended the flow, Ctrl-C (KeyboardInterrupt) included
+        release(lease, engine)
     pool = cfg.ray.pool_name if engine.pool is not None else None
     return result | {
         "run_id": store.run_id,
@@ -316,13 +317,13 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
 
             down(cfg.ray.pool_name, stop_head=False, keep_claim=True)
             engine = Engine(cfg, reset_pool=not resume)
-    except BaseException:
+        if engine.pool is not None:
+            engine.pool.hold(claim)
+            check_reach(cfg.storage, engine.pool.nodes())
+    except BaseException:  # the claim is let go on every way out (Ctrl-C included)
         if claim is not None:
             claim.release()
         raise
-    if engine.pool is not None:
-        engine.pool.hold(claim)
-        check_reach(cfg.storage, engine.pool.nodes())
     return engine
 
 
