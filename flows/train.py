@@ -301,6 +301,7 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     """The engine. On the pool, the run first claims it (`PoolBusy` while another run
     trains on it). A pool found broken (left so by an earlier driver) is removed and created
     anew, once; the restore that follows loads the run's last checkpoint into it."""
+    fault_point("driver:start-engine")  # a new run has no run.json yet
     claim = None
     if cfg.trainer.backend == "ray":
         from hybrid_engine.pool.claim import claim_pool
