@@ -54,7 +54,7 @@ from tasks.recovery import (
     rearm,
 )
 from tasks.registry import announce, register_final
-from tasks.restarts import count_restart
+from tasks.restarts import chain_number, count_restart
 from tasks.retry import task_options
 from tasks.stages import advantage, reward, rollout, update, validate
 
@@ -78,7 +78,7 @@ def train(
     run_id: str | None = None,
     resume_from: str | None = None,
     fork_from: str | None = None,
-    restarted: bool = False,
+    restarted: bool | int = False,
 ) -> dict[str, Any] | State:
     """Train a policy from a YAML preset + dotted overrides, as run `run_id` (default
     `<preset>-<timestamp>`); or continue run `resume_from` where it stopped (its stored
@@ -90,7 +90,7 @@ def train(
 
     A dead or hung worker is recovered from by itself (`tasks.recovery`); SIGTERM ends the
     flow run in state "Preempted" with every committed stage kept. `restarted`: set by the
-    trigger that resumes a Crashed flow run (`tasks.restarts`)."""
+    trigger that resumes a Crashed flow run, the restarts in a row so far (`tasks.restarts`)."""
     logger = get_run_logger()
     opened = open_run(config, overrides or [], run_id, resume_from, fork_from)
     cfg, store, resume = opened.cfg, opened.store, opened.resume
@@ -106,14 +106,20 @@ def train(
         store.guard = lease.check  # a driver taken over while it stalled commits nothing more
         recovery = Recovery(cfg, store)
         with preemption():
+            # counted before anything that may kill the driver (the model's loading): a new
+            # run's restart (its last driver died before run.json) too (CrashLoop)
+            doc = (store.read_run() or {}) if resume else {}
+            restarts = {
+                "driver_restarts": count_restart(
+                    store, doc, cfg.pipeline.max_driver_restarts, restarted
+                ),
+                "driver_chain": chain_number(doc, restarted),
+            }
             if resume:  # a SIGKILLed driver of this run may have left its Prefect server
-                doc = store.read_run() or {}
                 clean_up_after(doc.get("driver"))
-                limit = cfg.pipeline.max_driver_restarts
-                restarts = count_restart(store, doc, limit, restarted)  # CrashLoop
-                store.write_run({**doc, "driver": driver_record(), "driver_restarts": restarts})
+                store.write_run({**doc, "driver": driver_record(), **restarts})
             if opened.lineage:  # a new fork: recorded first (its stages are its parent's)
-                record_run(store, cfg, opened.lineage)
+                record_run(store, cfg, opened.lineage, restarts)
                 log_fork(store, opened.lineage)
             if store.lineage is not None:  # new or resumed: its start checkpoint, if due
                 materialize_start(store, cfg)
@@ -124,7 +130,7 @@ def train(
             # cyclic garbage of each step (a figure per step) before it piles up (bench/soak.py)
             gc.freeze()
             if not resume and not opened.lineage:  # once the run could start (a bad config
-                record_run(store, cfg)  # leaves nothing)
+                record_run(store, cfg, extra=restarts)  # leaves nothing)
             track = StepLog(cfg, store)
             with track:
                 while True:  # each pass: restore the weights, run what is not committed

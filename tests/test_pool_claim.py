@@ -153,7 +153,12 @@ def test_the_claim_ages_on_its_own_clock_lives_on_the_head_and_ctrl_c_frees_it(
     first = holder(head, 600)
     try:
         p = subprocess.run(
-            [sys.executable, "-c", SKEWED], cwd=ROOT, env=head, capture_output=True, text=True
+            [sys.executable, "-c", SKEWED],
+            cwd=ROOT,
+            env=head,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert p.returncode == 0, p.stderr[-3000:]
         assert "refused: pool 'claimed' is used by run holder" in p.stdout, p.stdout + p.stderr

@@ -346,14 +346,18 @@ def test_the_crashed_trigger_counts_each_restart_in_its_parameters():
     from prefect.server.schemas.core import FlowRun
     from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
 
-    doc = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    files = [
+        ROOT / "deployments" / "prefect.yaml",
+        ROOT / "deployments/cluster/prefect/prefect.yaml",
+    ]
     triggers = [
         t
-        for d in doc["deployments"]
+        for f in files
+        for d in yaml.safe_load(f.read_text())["deployments"]
         for t in d.get("triggers", [])
         if t["expect"] == ["prefect.flow-run.Crashed"]
     ]
-    assert len(triggers) == 2
+    assert len(triggers) == 4
     crashed = Event(
         occurred=datetime.now(UTC),
         event="prefect.flow-run.Crashed",
