@@ -173,7 +173,7 @@ def add_local_node(
         "temp_dir": temp_dir,
         "ports": {p: _free_port() for p in ports},
     }
-    env = {**os.environ, **RAY_ENV}
+    env = {**RAY_ENV, **os.environ}  # the head's auth mode, where the user set one
     env.pop("HYBRIDRL_FAULT", None)
     log = Path(temp_dir) / "start.log"  # a file, not a pipe: the raylet would hold a pipe open
     with log.open("w") as out:
