@@ -24,7 +24,7 @@ from hybrid_engine.config import HybridConfig, StorageConfig, config_from_dict
 from hybrid_engine.engine import Engine
 from hybrid_engine.evaluation import evaluate_policy
 from storage.store import RunStore
-from storage.tracking.runs import client_for
+from storage.tracking.runs import client_for, usable_uri
 from storage.tracking.runs import tracking_uri as default_tracking_uri
 from tasks.registry import IN_PROCESS
 
@@ -53,7 +53,7 @@ def evaluate(
     logger = get_run_logger()
     if (model is None) == (run_id is None):
         raise ValueError("evaluate: give either model (a registered version) or run_id")
-    uri = tracking_uri or default_tracking_uri(HybridConfig())
+    uri = usable_uri(tracking_uri or default_tracking_uri(HybridConfig()))  # its password
     client = client_for(uri)
     version = None
     if model is not None:

@@ -250,8 +250,13 @@ def refuse_existing(store: RunStore) -> None:
         )
 
 
-def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | None = None) -> None:
-    """run.json of a new run (a fork's with its lineage)."""
+def record_run(
+    store: RunStore,
+    cfg: HybridConfig,
+    lineage: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """run.json of a new run (a fork's with its lineage), with `extra` (its restart count)."""
     store.write_run(
         {
             "run_id": store.run_id,
@@ -262,6 +267,7 @@ def record_run(store: RunStore, cfg: HybridConfig, lineage: dict[str, Any] | Non
             "driver": driver_record(),
         }
         | ({"lineage": lineage} if lineage else {})
+        | (extra or {})
     )
 
 

@@ -34,7 +34,7 @@ from flows.display import step_line
 from flows.opening import log_fork, materialize_start, open_run, record_run
 from flows.scheduler import RolloutsAhead
 from flows.tracking import StepLog
-from hybrid_engine.config import HybridConfig
+from hybrid_engine.config import HybridConfig, redact
 from hybrid_engine.engine import Engine
 from hybrid_engine.pool.group import WorkerLostError
 from storage.faults import fault_point
@@ -54,7 +54,7 @@ from tasks.recovery import (
     rearm,
 )
 from tasks.registry import announce, register_final
-from tasks.restarts import count_restart
+from tasks.restarts import chain_number, count_restart
 from tasks.retry import task_options
 from tasks.stages import advantage, reward, rollout, update, validate
 
@@ -78,7 +78,7 @@ def train(
     run_id: str | None = None,
     resume_from: str | None = None,
     fork_from: str | None = None,
-    restarted: bool = False,
+    restarted: bool | int = False,
 ) -> dict[str, Any] | State:
     """Train a policy from a YAML preset + dotted overrides, as run `run_id` (default
     `<preset>-<timestamp>`); or continue run `resume_from` where it stopped (its stored
@@ -90,30 +90,37 @@ def train(
 
     A dead or hung worker is recovered from by itself (`tasks.recovery`); SIGTERM ends the
     flow run in state "Preempted" with every committed stage kept. `restarted`: set by the
-    trigger that resumes a Crashed flow run (`tasks.restarts`)."""
+    trigger that resumes a Crashed flow run, the restarts in a row so far (`tasks.restarts`)."""
     logger = get_run_logger()
     opened = open_run(config, overrides or [], run_id, resume_from, fork_from)
     cfg, store, resume = opened.cfg, opened.store, opened.resume
     name_flow_run(store.run_id)
     lease = RunLease(store, cfg.storage.lease_timeout_s, cfg.storage.request_bound_s)
     wait_s = 2 * cfg.storage.lease_timeout_s if restarted else 0  # the dead driver's lease
-    if taken := lease.acquire(wait_s, logger.warning):  # LeaseHeld: a live driver trains it
-        logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
-        mark_driver_lost(cfg, store, taken)
-    lease.fence(store)  # a driver taken over while it stalled writes nothing more
-    recovery = Recovery(cfg, store)
+    taken = lease.acquire(wait_s, logger.warning)  # LeaseHeld: a live driver trains it
     track = engine = None
     froze = False
-    try:
+    try:  # from here on the lease (and the claim, once taken) is released however it ends
+        if taken:
+            logger.warning("run %s: its last driver is gone (%s); taking over", store.run_id, taken)
+            mark_driver_lost(cfg, store, taken)
+        lease.fence(store)  # a driver taken over while it stalled writes nothing more
+        recovery = Recovery(cfg, store)
         with preemption():
+            # counted before anything that may kill the driver (the model's loading): a new
+            # run's restart (its last driver died before run.json) too (CrashLoop)
+            doc = (store.read_run() or {}) if resume else {}
+            restarts = {
+                "driver_restarts": count_restart(
+                    store, doc, cfg.pipeline.max_driver_restarts, restarted
+                ),
+                "driver_chain": chain_number(doc, restarted),
+            }
             if resume:  # a SIGKILLed driver of this run may have left its Prefect server
-                doc = store.read_run() or {}
                 clean_up_after(doc.get("driver"))
-                limit = cfg.pipeline.max_driver_restarts
-                restarts = count_restart(store, doc, limit, restarted)  # CrashLoop
-                store.write_run({**doc, "driver": driver_record(), "driver_restarts": restarts})
+                store.write_run({**doc, "driver": driver_record(), **restarts})
             if opened.lineage:  # a new fork: recorded first (its stages are its parent's)
-                record_run(store, cfg, opened.lineage)
+                record_run(store, cfg, opened.lineage, restarts)
                 log_fork(store, opened.lineage)
             if store.lineage is not None:  # new or resumed: its start checkpoint, if due
                 materialize_start(store, cfg)
@@ -126,7 +133,7 @@ def train(
             if froze := not gc.get_freeze_count():
                 gc.freeze()
             if not resume and not opened.lineage:  # once the run could start (a bad config
-                record_run(store, cfg)  # leaves nothing)
+                record_run(store, cfg, extra=restarts)  # leaves nothing)
             track = StepLog(cfg, store)
             with track:
                 while True:  # each pass: restore the weights, run what is not committed
@@ -137,7 +144,6 @@ def train(
                         track.recovered(recovery.handle(e, engine), recovery.count)
                         rearm()
     except (Preempted, Exception) as error:
-        release(lease, engine)
         if (e := as_preempted(error)) is None:
             raise
         if cancelling():  # the SIGTERM was Prefect carrying out a cancellation
@@ -148,10 +154,10 @@ def train(
         )
         logger.warning(line)
         return Cancelled(name="Preempted", message=line)
-    finally:
+    finally:  # whatever ended the flow, Ctrl-C (KeyboardInterrupt) included
         if froze:  # this run's engine and modules become collectable again
             gc.unfreeze()
-    release(lease, engine)
+        release(lease, engine)
     pool = cfg.ray.pool_name if engine.pool is not None else None
     return result | {
         "run_id": store.run_id,
@@ -286,9 +292,9 @@ def finish_run(engine: Engine, store: RunStore, track: StepLog, done: Any) -> di
         store.run_id,
         {"hybridrl.registered": str(bool(registered)).lower()},
         run_id=store.run_id,
-        storage_root=store.cfg.root,
-        final=result["uri"],
-        tracking_uri=track.tracker.uri if track.tracker else None,
+        storage_root=redact(store.cfg.root),
+        final=redact(result["uri"]),
+        tracking_uri=redact(track.tracker.uri) if track.tracker else None,  # no password
         **(registered or {}),
     )
     return result | {"registered": registered}
@@ -306,6 +312,7 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     """The engine. On the pool, the run first claims it (`PoolBusy` while another run
     trains on it). A pool found broken (left so by an earlier driver) is removed and created
     anew, once; the restore that follows loads the run's last checkpoint into it."""
+    fault_point("driver:start-engine")  # a new run has no run.json yet
     claim = None
     if cfg.trainer.backend == "ray":
         from hybrid_engine.pool.claim import claim_pool
@@ -322,13 +329,13 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
 
             down(cfg.ray.pool_name, stop_head=False, keep_claim=True)
             engine = Engine(cfg, reset_pool=not resume)
-    except BaseException:
+        if engine.pool is not None:
+            engine.pool.hold(claim)
+            check_reach(cfg.storage, engine.pool.nodes())
+    except BaseException:  # the claim is let go on every way out (Ctrl-C included)
         if claim is not None:
             claim.release()
         raise
-    if engine.pool is not None:
-        engine.pool.hold(claim)
-        check_reach(cfg.storage, engine.pool.nodes())
     return engine
 
 

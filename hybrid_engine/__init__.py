@@ -5,8 +5,9 @@ It knows nothing of Prefect, storage backends or tracking; a plain Python loop d
 
 import os
 
-# Ray reads these when it is first imported (before the pool module runs): no token auth on
-# a local head, and a head on 127.0.0.1 is reached on 127.0.0.1, not the host's address.
+# Ray reads these when it is first imported (before the pool module runs), as defaults only
+# (a user's RAY_AUTH_MODE=token is kept, by the driver and the local head it starts): no token
+# auth on a local head, and a head on 127.0.0.1 is reached on 127.0.0.1, not the host address.
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 for _key, _value in RAY_ENV.items():
     os.environ.setdefault(_key, _value)

@@ -17,7 +17,8 @@ reaches `<point>`, once per process:
                                               advantage stage commits (a data fault: the
                                               stored stage holds it, so replays see it too)
 
-Points: `step-<N>/<stage>:start` (a stage task begins), `step-<N>/<stage>:before_commit`
+Points: `driver:start-engine` (the driver starts its engine: a new run has no run.json yet),
+`step-<N>/<stage>:start` (a stage task begins), `step-<N>/<stage>:before_commit`
 (every stage commit), `step-<N>:end` (after step N and its checkpoint),
 `step-<N>/rollout:turn-<k>` (a multi-turn rollout after its turn k), `step-<N>/advantage:batch`
 (`fault_batch`). Unset (the normal case), a point costs one dictionary lookup. With

@@ -155,6 +155,10 @@ def test_local_storage_is_refused_across_nodes_unless_shared(cluster, tmp_path, 
     from hybrid_engine.pool.pool import connect, down
 
     connect(cfg("store"), start=False)
+    import ray
+
+    claim = ray.get_actor("claim", namespace="hybridrl-store")
+    assert ray.get(claim.read.remote(), timeout=30) is None  # the refused run let go of it
     down("store", stop_head=False)
 
 

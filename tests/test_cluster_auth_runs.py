@@ -139,8 +139,14 @@ def test_slurm_script_runs_ray_with_a_token_made_per_job(tmp_path):
     no output. A tracking or Prefect server without credentials is refused in one line before
     anything starts."""
     venv_bin, log = tmp_path / "venv" / "bin", tmp_path / "calls.log"
-    for name in ("ray", "srun", "hybridrl"):
+    for name in ("ray", "srun"):
         stand_in(venv_bin, name)
+    # the driver also records the Prefect API login it was given (client, server)
+    prefect_log = tmp_path / "prefect.log"
+    logins = (
+        'printf \'%s\\t%s\\n\' "${PREFECT_API_AUTH_STRING-}" "${PREFECT_SERVER_API_AUTH_STRING-}"'
+    )
+    stand_in(venv_bin, "hybridrl", f'{logins} >> "$PREFECT_LOG"\n')
     stand_in(venv_bin, "scontrol", "printf 'node0\\nnode1\\nnode2\\n'\n")
     # `python -c` (the token) is the real one; `python -` (the wait for the nodes) a stand-in
     stand_in(venv_bin, "python", "cat >/dev/null\n")
@@ -160,11 +166,13 @@ def test_slurm_script_runs_ray_with_a_token_made_per_job(tmp_path):
         "SLURMD_NODENAME": "node0",
         "SLURM_JOB_NODELIST": "node[0-2]",
         "SLURM_CPUS_PER_TASK": "2",
+        "PREFECT_LOG": str(prefect_log),
     }
     sbatch = str(CLUSTER / "slurm" / "hybridrl.sbatch")
 
     def run(**extra):
         log.unlink(missing_ok=True)
+        prefect_log.unlink(missing_ok=True)
         p = subprocess.run(
             ["bash", sbatch, "trainer.total_training_steps=1"],
             env={**env, **extra},
@@ -186,7 +194,12 @@ def test_slurm_script_runs_ray_with_a_token_made_per_job(tmp_path):
         assert all("--export=ALL" in c[3] for c in seen if c[0] == "srun")
         assert token not in "".join(c[3] for c in seen) + p.stdout + p.stderr
         tokens.append(token)
-    assert tokens[0] != tokens[1]
+        # the job's own (ephemeral) Prefect API takes a login made for this job only
+        ((client, server),) = {tuple(ln.split("\t")) for ln in prefect_log.read_text().splitlines()}
+        assert client == server and re.fullmatch(r"hybridrl:[0-9a-f]{32}", server), (client, server)
+        assert server not in "".join(c[3] for c in seen) + p.stdout + p.stderr
+        tokens.append(server)
+    assert len(set(tokens)) == 4
 
     given = "c3" * 32
     p, seen = run(RAY_AUTH_TOKEN=given)
@@ -214,6 +227,7 @@ def test_slurm_script_runs_ray_with_a_token_made_per_job(tmp_path):
         PREFECT_API_AUTH_STRING="u:p",
     )
     assert p.returncode == 0, p.stderr
+    assert set(prefect_log.read_text().splitlines()) == {"u:p\t"}  # as given; no server here
 
 
 def test_the_driver_keeps_token_auth_from_its_environment():
@@ -231,6 +245,52 @@ def test_the_driver_keeps_token_auth_from_its_environment():
             timeout=60,
         )
         assert (p.returncode, p.stdout.strip()) == (0, kept), p.stderr
+
+
+RAY_CLIENT = """
+import sys, hybrid_engine, ray
+try:
+    ray.init(address=sys.argv[1], _node_ip_address="127.0.0.1", logging_level="ERROR")
+except ConnectionError as e:
+    sys.exit(f"refused: {e}")
+print("nodes", len(ray.nodes()))
+"""
+
+
+def test_a_local_head_keeps_the_users_token_auth_and_refuses_a_tokenless_client(tmp_path):
+    """With RAY_AUTH_MODE=token in the user's environment, the local head the pool starts
+    (a real `ray start --head`) runs in token mode: a client with the token joins, a client
+    without one (auth disabled, no token file) is refused by the head."""
+    token = "ab" * 32
+    env = clean_env(HOME=str(tmp_path), HYBRIDRL_RAY_STATE=str(tmp_path / "ray"), PYTHONPATH=".")
+    user = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+
+    def python(code: str, *args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env={**env, **extra},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+
+    head = "from hybrid_engine.pool.cluster import local_head; print(local_head(True, 1))"
+    p = python(head, **user)
+    assert p.returncode == 0, p.stderr
+    address = p.stdout.split()[-1]
+    try:
+        p = python(RAY_CLIENT, address, **user)
+        assert (p.returncode, p.stdout.strip()) == (0, "nodes 1"), p.stderr[-2000:]
+        # two tries (Ray's default: 20 tries, ~1 s apart)
+        p = python(
+            RAY_CLIENT, address, RAY_AUTH_MODE="disabled", RAY_gcs_server_port_wait_time_s="2"
+        )
+        assert p.returncode == 1 and "refused: " in p.stderr, p.stdout + p.stderr[-2000:]
+        assert "Authentication token is missing or incorrect" in p.stderr
+    finally:
+        stop = "from hybrid_engine.pool.cluster import stop_local_head; stop_local_head()"
+        python(stop, **user)
 
 
 def mlflow_server_parts() -> tuple[dict, dict]:

@@ -437,3 +437,30 @@ def test_job_entry_point_forwards_sigterm_and_returns_the_status(tmp_path):
     wrapper.send_signal(signal.SIGTERM)
     out, _ = wrapper.communicate(timeout=20)
     assert (wrapper.returncode, out.strip()) == (7, "stopped cleanly")
+
+
+def test_the_namespace_takes_traffic_from_its_own_pods_only():
+    """A NetworkPolicy of the recipe's namespace selects every pod in it (the Ray pods,
+    MLflow, the worker, the flow-run Jobs) and lets in traffic from pods of that namespace
+    only: no namespaceSelector, no ipBlock, no rule without a `from`."""
+    policies = [d for p in CORE_FILES for d in documents(p) if d["kind"] == "NetworkPolicy"]
+    assert policies, "no NetworkPolicy in deployments/cluster/k8s/"
+    namespaces = {
+        d["metadata"].get("namespace")
+        for p in [*CORE_FILES, *RAYCLUSTERS]
+        for d in documents(p)
+        if d["kind"] in ("RayCluster", "Deployment")
+    }
+    (namespace,) = namespaces
+    covering = [
+        p
+        for p in policies
+        if p["metadata"]["namespace"] == namespace
+        and p["spec"]["podSelector"] == {}
+        and "Ingress" in p["spec"]["policyTypes"]
+    ]
+    assert covering, policies
+    for policy in covering:
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("from"), rule  # a rule without `from` lets everyone in
+            assert all(set(peer) == {"podSelector"} for peer in rule["from"]), rule

@@ -190,3 +190,34 @@ def test_credentials_in_a_url_are_refused_without_repeating_them(key):
     with pytest.raises(ConfigError, match=f"{key}: credentials never go in the URL") as e:
         load_config("configs/grpo_tiny.yaml", [f"{key}={value}"])
     assert "SECRET" not in str(e.value)
+
+
+@pytest.mark.fast
+def test_redaction_covers_every_secret_looking_name_url_password_and_value_type():
+    from hybrid_engine.config import redact, redacted_keys
+
+    secret = {
+        "Authorization": "Bearer a1",
+        "private_key": "k1",
+        "private-key": "k2",
+        "privateKey": "k3",
+        "GITHUB_PAT": "p1",
+        "hf-token": "t1",
+        "db.password": "pw1",
+        "API_KEY": 12345,
+        "client_secret": ["s1", "s2"],
+        "credentials": {"user": "u", "pass": "c1"},
+    }
+    kept = {"MALLOC_ARENA_MAX": "2", "PATH": "/bin", "max_new_tokens": 32, "pad_token_id": 0}
+    url = "postgres://u:pw2@db.example:5432/app?sslmode=require"
+    doc = {"env": {**secret, **kept, "DATABASE_URL": url, "OTHER": "http://h.example/x"}}
+    out = redact(doc)["env"]
+    assert {k: out[k] for k in secret} == dict.fromkeys(secret, "<redacted>")
+    assert {k: out[k] for k in kept} == kept and out["OTHER"] == "http://h.example/x"
+    assert out["DATABASE_URL"] == "postgres://u:<redacted>@db.example:5432/app?sslmode=require"
+    assert redact(url) == out["DATABASE_URL"]  # a URL's password, whatever its key
+    # a resumed run's config with any of them redacted asks for them again
+    cfg = load_config(None, ["ray.worker_env={DATABASE_URL: 'postgres://u:<redacted>@h/db', A: b}"])
+    assert redacted_keys(cfg) == ["ray.worker_env.DATABASE_URL"]
+    cfg = load_config(None, ["ray.worker_env={X-Api-Key: <redacted>}"])
+    assert redacted_keys(cfg) == ["ray.worker_env.X-Api-Key"]

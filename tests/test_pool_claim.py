@@ -4,6 +4,8 @@ on undisturbed; the claim of a driver that died on this host is taken over at on
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +27,28 @@ time.sleep(float(sys.argv[1]))
 claim.release()
 print("released", flush=True)
 time.sleep(600)
+"""
+
+
+# a claimer whose clock runs an hour ahead of the claim actor's node (clock skew)
+SKEWED = """
+import time
+real = time.time
+time.time = lambda: real() + 3600
+from hybrid_engine.config import load_config
+from hybrid_engine.pool.claim import PoolBusy, claim_pool
+cfg = load_config("configs/grpo_tiny.yaml", ["trainer.backend=ray", "ray.pool_name=claimed",
+                                             "trainer.run_id=skewed"])
+try:
+    claim_pool(cfg).release()
+    print("took it")
+except PoolBusy as e:
+    print("refused:", e)
+import ray
+from ray._private import state
+(actor,) = [a for a in state.actors().values() if a["Name"] == "claim"]
+(head,) = [n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]]
+print("on the head:", actor["Address"]["NodeID"] == head)
 """
 
 
@@ -113,3 +137,51 @@ def test_a_second_run_on_a_busy_pool_refuses_and_the_first_finishes(tmp_path, he
         first.kill_group()
     assert rc == 0, out
     assert "recovery" not in out  # nothing disturbed it
+
+
+def test_the_claim_ages_on_its_own_clock_lives_on_the_head_and_ctrl_c_frees_it(
+    tmp_path, head, prefect_api
+):
+    """A live holder is not taken over by a driver whose clock runs an hour ahead (the age
+    is the claim actor's own); the claim asks for the head node (a driver's node may die
+    with its driver); a driver stopped by Ctrl-C (SIGINT) releases its run's lease and
+    the pool's claim (the next claimer finds it free, no takeover)."""
+    from hybrid_engine.config import StorageConfig
+    from storage.lease import RunLease
+    from storage.store import RunStore
+
+    first = holder(head, 600)
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", SKEWED],
+            cwd=ROOT,
+            env=head,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "refused: pool 'claimed' is used by run holder" in p.stdout, p.stdout + p.stderr
+        assert "on the head: True" in p.stdout, p.stdout
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    root, flag = tmp_path / "runs", tmp_path / "paused"
+    env = {**head, "PYTHONPATH": str(ROOT / "tests"), "PREFECT_API_URL": prefect_api}
+    args = ["train", "configs/grpo_tiny.yaml", *ARGS, "trainer.backend=ray"]
+    args += ["ray.pool_name=claimed", f"storage.root={root}", "--run-id", "ctrl-c"]
+    run = Driver(args, {**env, "HYBRIDRL_FAULT": f"step-1/rollout:start=pause:{flag}"})
+    try:
+        wait_for(flag, run)
+        os.kill(run.pid, signal.SIGINT)
+        time.sleep(2)
+        flag.unlink()
+        rc, out, _ = run.wait(timeout=300)
+    finally:
+        run.kill_group()
+    assert rc != 0, out
+    lease = RunLease(RunStore(StorageConfig(root=str(root)), "ctrl-c"), 60)
+    assert lease.holder()[1]["released"], out
+    taken = claim(head)
+    assert taken.returncode == 0, taken.stderr
+    assert "taken over" not in taken.stderr, taken.stderr

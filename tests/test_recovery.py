@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from runs import ARGS, assert_same_run, driver, final_state, fs_for, own_ray_head
+from runs import ARGS, ROOT, assert_same_run, driver, final_state, fs_for, own_ray_head
 
 POOL = [
     "trainer.backend=ray",
@@ -277,3 +279,101 @@ def test_a_resume_ends_the_prefect_server_a_sigkilled_driver_left(tmp_path):
         for p in servers:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(p).kill()
+
+
+def test_a_driver_killed_before_run_json_exists_counts_against_the_restart_budget(
+    tmp_path, prefect_api
+):
+    """A new run's driver SIGKILLed while it starts its engine (before run.json exists, as
+    an OOM-kill while loading the model), then restarted as the deployment's trigger on
+    Crashed does (`restarted` = the restarts in a row so far, from the crashed flow run's
+    own parameter): with pipeline.max_driver_restarts=1 the first restart is let through
+    (and killed again), the second is refused in one line before it loads anything."""
+    import sys
+
+    from conftest import PRISTINE_ENV
+    from drivers import Driver
+
+    root = tmp_path / "runs"
+    env = {
+        **PRISTINE_ENV,
+        "PYTHONPATH": str(ROOT / "tests"),
+        "PREFECT_API_URL": prefect_api,
+        "HYBRIDRL_FAULT": "driver:start-engine=kill",
+    }
+    where = [*ARGS, f"storage.root={root}", "pipeline.max_driver_restarts=1"]
+    rc, out, _ = Driver(["train", "configs/grpo_tiny.yaml", *where, "--run-id", "early"], env).wait(
+        timeout=300
+    )
+    assert rc == -9, out
+    assert not (root / "early" / "run.json").exists()
+
+    def restart(n: int) -> subprocess.CompletedProcess:
+        code = (
+            "from flows.train import train\n"
+            f"train(config='configs/grpo_tiny.yaml', resume_from='early', overrides={where!r}, "
+            f"restarted={n})\n"
+        )
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    p = restart(1)
+    assert p.returncode == -9, p.stderr[-3000:]
+    assert not (root / "early" / "run.json").exists()
+    p = restart(2)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert p.stderr.splitlines()[-1].startswith(
+        "tasks.restarts.CrashLoop: run early: its driver died 2 times in a row"
+    ), p.stderr[-3000:]
+    assert not (root / "early" / "run.json").exists()
+
+
+@pytest.mark.fast
+def test_the_crashed_trigger_counts_each_restart_in_its_parameters():
+    """The training deployments' trigger on Crashed, rendered by Prefect's own parameter
+    hydration as its automation service does, passes `restarted` = the crashed flow run's
+    own count + 1 (0 for a run a person or a schedule started; `true` from an older
+    trigger counts as 1)."""
+    import yaml
+    from prefect.server.events.actions import RunDeployment
+    from prefect.server.events.schemas.events import Event
+    from prefect.server.schemas.core import FlowRun
+    from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
+
+    files = [
+        ROOT / "deployments" / "prefect.yaml",
+        ROOT / "deployments/cluster/prefect/prefect.yaml",
+    ]
+    triggers = [
+        t
+        for f in files
+        for d in yaml.safe_load(f.read_text())["deployments"]
+        for t in d.get("triggers", [])
+        if t["expect"] == ["prefect.flow-run.Crashed"]
+    ]
+    assert len(triggers) == 4
+    crashed = Event(
+        occurred=datetime.now(UTC),
+        event="prefect.flow-run.Crashed",
+        resource={
+            "prefect.resource.id": f"prefect.flow-run.{uuid.uuid4()}",
+            "prefect.resource.name": "r1",
+        },
+        id=uuid.uuid4(),
+    )
+    cases = [({}, 1), ({"restarted": False}, 1), ({"restarted": True}, 2), ({"restarted": 4}, 5)]
+    for trigger in triggers:
+        for given, expected in cases:
+            params = dict(trigger["parameters"])
+            RunDeployment._upgrade_v1_templates(params)
+            run = FlowRun(flow_id=uuid.uuid4(), name="r1", parameters=given)
+            context = {"flow_run": run, "event": crashed}
+            out = hydrate(params, HydrationContext(render_jinja=True, jinja_context=context))
+            assert out == {"resume_from": "r1", "restarted": expected}, (given, out)
+            assert type(out["restarted"]) is int, (given, out)  # not True, which == 1

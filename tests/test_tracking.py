@@ -3,6 +3,7 @@ duplicated) by a resume, each step's metrics logged once, params and tags as pro
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,67 @@ def test_multi_turn_generations_show_as_conversations(setup, tmp_path):
     response = table["data"][0][1]
     assert response.count("[assistant]\n") == 3 and response.count("[user]\n") == 2
     assert "too high" in response or "too low" in response or "no number" in response
+
+
+# a value for each kind of secret-looking name, and where the test puts it
+SECRETS = {
+    "Authorization": "Bearer auth-SECRET-1",
+    "GITHUB_PAT": "pat-SECRET-2",
+    "private-key": "pkey-SECRET-3",
+    "private_key": "pkey-SECRET-4",
+    "X-Api-Key": "xkey-SECRET-5",
+    "DATABASE_URL": "postgres://u:db-SECRET-6@db.example/app",
+}
+MLFLOW_PASSWORD = "mlflow-SECRET-7"
+
+
+def test_a_recorded_run_holds_no_secret_in_any_file_or_event(tmp_path, prefect_api, monkeypatch):
+    """A run (tiny preset, 1 step, in-process) with each secret-looking name in
+    `ray.worker_env` and an MLflow server reached through MLFLOW_TRACKING_URI with a password
+    in it: no file of the run's storage, of the MLflow store (its sqlite file and its
+    artifacts) nor the `hybridrl.run.finished` event holds any of the secret values."""
+    import urllib.request
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from servers import start_mlflow, stop
+
+    from flows.train import train
+
+    home = tmp_path / "mlflow"
+    home.mkdir()
+    proc, url = start_mlflow(home)
+    try:
+        with_password = url.replace("http://", f"http://hybridrl:{MLFLOW_PASSWORD}@")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", with_password)
+        monkeypatch.setenv("HYBRIDRL_RAY__WORKER_ENV", json.dumps(SECRETS))  # as the CLI does
+        overrides = [f"storage.root={tmp_path}/runs", "trainer.total_training_steps=1"]
+        with temporary_settings({PREFECT_API_URL: prefect_api}):
+            out = train(config="configs/grpo_tiny.yaml", overrides=overrides, run_id="sec1")
+    finally:
+        stop(proc)
+    assert out["run_id"] == "sec1" and out["mlflow_run_id"]
+    values = [*SECRETS.values(), MLFLOW_PASSWORD]
+    files = [p for d in (tmp_path / "runs", home) for p in d.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".db" for p in files) and any("artifacts" in p.parts for p in files)
+    assert any(p.name == "run.json" for p in files) and any(p.name == "COMMITTED" for p in files)
+    leaks = [(str(p), v) for p in files for v in values if v.encode() in p.read_bytes()]
+    assert leaks == []
+    doc = json.loads((tmp_path / "runs" / "sec1" / "run.json").read_text())
+    assert "<redacted>" in json.dumps(doc["config"]["ray"]["worker_env"])
+    body = json.dumps(
+        {
+            "filter": {
+                "event": {"name": ["hybridrl.run.finished"]},
+                "resource": {"id": ["hybridrl.run.sec1"]},
+            }
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{prefect_api}/events/filter", data=body, headers={"Content-Type": "application/json"}
+    )
+    for _ in range(100):  # the event reaches the server shortly after the flow returns
+        if events := json.loads(urllib.request.urlopen(req).read())["events"]:
+            break
+        time.sleep(0.2)
+    (event,) = events
+    assert event["payload"]["tracking_uri"] and MLFLOW_PASSWORD not in json.dumps(event)

@@ -26,6 +26,7 @@ from hybrid_engine.config.infra import (
     TrainerConfig,
 )
 from hybrid_engine.config.loading import (
+    REDACTED,
     config_from_dict,
     config_reference,
     flatten,
@@ -82,6 +83,7 @@ __all__ = [
     "TrackingConfig",
     "TrainerConfig",
     "ValSamplingConfig",
+    "REDACTED",
     "config_from_dict",
     "config_reference",
     "flatten",

@@ -42,31 +42,48 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-SECRET_NAME = re.compile(
-    r"(^|_)(secret|token|password|passwd|credentials?|api_?key|access_?key)s?($|_)", re.I
+# a secret's name: one of these words in it, words split at `_`, `-`, `.` and camelCase
+SECRET_WORDS = re.compile(
+    r"(^|_)(secrets?|token(?!_ids?(_|$))|passwords?|passwd|pwd|credentials?|api_?keys?|"
+    r"access_?keys?|private_?keys?|authorization|auth_?header|cookies?|pat|dsn)($|_)"
 )
+# the password of a URL (`postgres://user:PASSWORD@host/db`), whatever its key
+URL_PASSWORD = re.compile(r"([a-z][a-z0-9+.-]*://[^/:@\s]*:)[^@/\s]+(?=@)", re.I)
 REDACTED = "<redacted>"
 
 
+def secret_name(key: str) -> bool:
+    """Whether `key` names a secret (`AWS_SECRET_ACCESS_KEY`, `HF_TOKEN`, `Authorization`,
+    `private-key`, `privateKey`, `GITHUB_PAT`, `db.password` ...)."""
+    words = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower()
+    return bool(SECRET_WORDS.search(re.sub(r"[^a-z0-9]+", "_", words)))
+
+
 def redact(doc: Any, key: str = "") -> Any:
-    """A config dump as it may be recorded (MLflow, run.json, summary.json): the string values
-    of secret-looking names (`AWS_SECRET_ACCESS_KEY`, `HF_TOKEN`, `db_password` ...) in its
-    maps — `ray.worker_env`, `rollout.multi_turn.env_kwargs` — become "<redacted>"."""
+    """A config dump as it may be recorded (MLflow, run.json, summary.json, events): the
+    value of a secret-looking name in its maps (`ray.worker_env`,
+    `rollout.multi_turn.env_kwargs`), whatever its type but bool/None, becomes "<redacted>",
+    and so does the password of any URL in a string (`DATABASE_URL`, `tracking.uri`)."""
+    if key and secret_name(key) and doc is not None and not isinstance(doc, bool):
+        return REDACTED
     if isinstance(doc, dict):
         return {k: redact(v, str(k)) for k, v in doc.items()}
     if isinstance(doc, list):
         return [redact(v) for v in doc]
-    if isinstance(doc, str) and SECRET_NAME.search(key):
-        return REDACTED
+    if isinstance(doc, str):
+        return URL_PASSWORD.sub(r"\1" + REDACTED, doc)
     return doc
 
 
 def redacted_keys(cfg: BaseModel) -> list[str]:
-    """Keys of `cfg` whose value is still "<redacted>" (a resumed run's secret not given again)."""
+    """Keys of `cfg` whose value still holds "<redacted>" (a resumed run's secret not given
+    again)."""
     out = []
     for key, value in flatten(cfg).items():
         if isinstance(value, dict):
-            out += [f"{key}.{k}" for k, v in value.items() if v == REDACTED]
+            out += [f"{key}.{k}" for k, v in value.items() if isinstance(v, str) and REDACTED in v]
+        elif isinstance(value, str) and REDACTED in value:
+            out.append(key)
     return out
 
 
@@ -75,7 +92,7 @@ def _describe(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            shown = "hidden" if SECRET_NAME.search(key.rpartition(".")[2]) else repr(e["input"])
+            shown = "hidden" if secret_name(key.rpartition(".")[2]) else repr(e["input"])
             lines.append(f"unknown key {key!r} (value {shown})")
         elif e["type"] == UNREGISTERED:
             lines.append(f"{key}={e['input']!r} {e['msg']}")

@@ -9,6 +9,11 @@ process) is refused in one line naming the run that holds the pool, or waits for
 no renewal for `ray.claim_timeout_s`. A holder that finds the pool claimed by someone else
 (it stalled past the timeout) stops with `PoolTaken` at its next call.
 
+The claim's age is measured by the actor on its own monotonic clock (never a driver's
+clock against the actor node's), and the actor lives on the head node (`HEAD`): in a
+cluster whose drivers join as nodes (the KubeRay recipe's flow-run Job), a driver's node
+dies with its driver, and a claim placed there would go with it.
+
 The workers also remember the driver that configured them last (`driver_id`): a call from
 another driver, e.g. one that ignores claims, is refused in the worker with `PoolTaken`.
 """
@@ -29,6 +34,7 @@ from hybrid_engine.processes import alive
 
 log = logging.getLogger("hybridrl.pool")
 NAME = "claim"
+HEAD = {"node:__internal_head__": 0.001}  # the head node's own resource, in every Ray cluster
 
 
 class PoolBusy(RuntimeError):
@@ -41,26 +47,32 @@ class PoolTaken(RuntimeError):
 
 @ray.remote(num_cpus=0)
 class Claim:
-    """Who holds the pool: {owner, run, host, pid, started, since, renewed} or None."""
+    """Who holds the pool: {owner, run, host, pid, started, timeout_s, since, age_s} or None;
+    `age_s`, the time since the holder's last renewal, on this actor's monotonic clock."""
 
     def __init__(self) -> None:
         self.holder: dict[str, Any] | None = None
+        self.renewed = 0.0  # time.monotonic() of the holder's last renewal
+
+    def _shown(self) -> dict[str, Any] | None:
+        h = self.holder
+        return None if h is None else {**h, "age_s": time.monotonic() - self.renewed}
 
     def take(self, who: dict[str, Any], unless: str | None) -> dict[str, Any] | None:
         """Hold the pool for `who` unless another owner holds it (and is not `unless`, a
         holder the caller found gone); returns that holder, else None."""
-        h, now = self.holder, time.time()
+        h = self.holder
         if h is not None and h["owner"] not in (who["owner"], unless):
-            return h
-        since = h["since"] if h is not None and h["owner"] == who["owner"] else now
-        self.holder = {**who, "since": since, "renewed": now}
+            return self._shown()
+        since = h["since"] if h is not None and h["owner"] == who["owner"] else time.time()
+        self.holder, self.renewed = {**who, "since": since}, time.monotonic()
         return None
 
     def renew(self, owner: str) -> dict[str, Any] | None:
         """Renew; the holder when it is not `owner` any more."""
         if self.holder is None or self.holder["owner"] != owner:
-            return self.holder
-        self.holder["renewed"] = time.time()
+            return self._shown()
+        self.renewed = time.monotonic()
         return None
 
     def release(self, owner: str) -> None:
@@ -68,7 +80,7 @@ class Claim:
             self.holder = None
 
     def read(self) -> dict[str, Any] | None:
-        return self.holder
+        return self._shown()
 
 
 def driver_id(run: str | None) -> dict[str, Any]:
@@ -102,7 +114,9 @@ def gone(h: dict[str, Any]) -> str | None:
     """Why holder `h` no longer holds the pool, or None while it does."""
     if h["host"] == socket.gethostname() and not alive(h["pid"], h["started"]):
         return f"its process (pid {h['pid']}) is gone"
-    age, limit = time.time() - h["renewed"], h["timeout_s"]
+    # on the claim actor's clock (a claim actor of an older hybridrl gives its wall time)
+    age = h["age_s"] if "age_s" in h else time.time() - h["renewed"]
+    limit = h["timeout_s"]
     if age > limit:
         return f"not renewed for {age:.0f} s (its ray.claim_timeout_s={limit:g})"
     return None
@@ -130,7 +144,7 @@ class PoolClaim:
         self.pool, self.timeout_s = pool, timeout_s
         self.who = {**driver_id(run), "timeout_s": timeout_s}
         self.actor = Claim.options(
-            name=NAME, namespace=namespace, lifetime="detached", get_if_exists=True
+            name=NAME, namespace=namespace, lifetime="detached", get_if_exists=True, resources=HEAD
         ).remote()
         self.taken_by: dict[str, Any] | None = None
         self._stop = threading.Event()

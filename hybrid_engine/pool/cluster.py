@@ -79,7 +79,7 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
         f"--dashboard-port={_free_port()}",
         f"--temp-dir={temp_dir}",
     ]
-    env = {**os.environ, **RAY_ENV}
+    env = {**RAY_ENV, **os.environ}  # the user's RAY_AUTH_MODE (e.g. token) wins
     env.pop("HYBRIDRL_FAULT", None)  # crash points are the driver's (storage/faults.py)
     # its own session: the head outlives the driver, and Ctrl-C (SIGINT to the terminal's
     # process group) or a kill of the driver's group does not reach it
@@ -92,10 +92,12 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
     address = f"127.0.0.1:{port}"
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"address": address, "temp_dir": temp_dir}))
+    mode = env["RAY_AUTH_MODE"]
     log.info(
-        "started a local Ray head on %s without token auth (RAY_AUTH_MODE=disabled): it "
-        "listens on loopback only; a cluster's head runs with RAY_AUTH_MODE=token",
+        "started a local Ray head on %s (loopback only), RAY_AUTH_MODE=%s%s",
         address,
+        mode,
+        " (export RAY_AUTH_MODE=token for token auth)" if mode != "token" else "",
     )
     return address
 
@@ -171,7 +173,7 @@ def add_local_node(
         "temp_dir": temp_dir,
         "ports": {p: _free_port() for p in ports},
     }
-    env = {**os.environ, **RAY_ENV}
+    env = {**RAY_ENV, **os.environ}  # the head's auth mode, where the user set one
     env.pop("HYBRIDRL_FAULT", None)
     log = Path(temp_dir) / "start.log"  # a file, not a pipe: the raylet would hold a pipe open
     with log.open("w") as out:

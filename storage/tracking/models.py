@@ -25,7 +25,7 @@ from typing import Any
 
 from hybrid_engine.config import HybridConfig
 from storage.store import RunStore
-from storage.tracking.runs import client_for, tracking_uri
+from storage.tracking.runs import client_for, tracking_uri, usable_uri
 
 log = logging.getLogger("hybridrl.registry")
 CHAMPION = "champion"
@@ -47,7 +47,7 @@ def register(
     run_id = doc.get("mlflow_run_id")
     if run_id is None:
         raise LookupError(f"run {store.run_id} has no MLflow run (tracking.enabled was false)")
-    uri = doc.get("mlflow_tracking_uri") or tracking_uri(cfg)
+    uri = usable_uri(doc.get("mlflow_tracking_uri") or tracking_uri(cfg))
     mlflow.set_tracking_uri(uri)
     name = cfg.registry.model_name
     from importlib.metadata import version as package_version

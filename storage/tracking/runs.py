@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from hybrid_engine.config import HybridConfig, flatten, redact
+from hybrid_engine.config import REDACTED, HybridConfig, flatten, redact
 from storage.store import RunStore
 
 log = logging.getLogger("hybridrl.tracking")
@@ -40,6 +40,21 @@ def tracking_uri(cfg: HybridConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
 
 
+def usable_uri(uri: str | None) -> str:
+    """A tracking URI as recorded (run.json, the `hybridrl.run.finished` event: its password
+    "<redacted>") made usable again: $MLFLOW_TRACKING_URI when it is that URI with its
+    password; None gives `tracking_uri`'s default."""
+    current = tracking_uri(HybridConfig())
+    if uri is None or REDACTED not in uri:
+        return uri or current
+    if redact(current) == uri:
+        return current
+    raise TrackingUnavailable(
+        f"the tracking URI {uri} was recorded without its password: set MLFLOW_TRACKING_URI "
+        "to it with the password"
+    )
+
+
 class TrackingUnavailable(RuntimeError):
     """The tracking store is not there: a server that does not answer, a missing database."""
 
@@ -52,14 +67,16 @@ def check_tracking(uri: str, must_exist: bool = False, timeout_s: float = 5.0) -
     import urllib.request
 
     if uri.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(uri)  # /health needs no login: without user:password@
+        health = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
         try:
-            urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+            urllib.request.urlopen(f"{health.rstrip('/')}/health", timeout=timeout_s).close()
         except urllib.error.HTTPError:
             return  # it answered
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise TrackingUnavailable(
-                f"the MLflow tracking server at {uri} does not answer ({reason}); start it or "
+                f"the MLflow tracking server at {redact(uri)} does not answer ({reason}); start it or "
                 "set tracking.uri / --tracking-uri"
             ) from None
     elif must_exist and (uri.startswith(("sqlite:///", "file://")) or "://" not in uri):
@@ -115,13 +132,14 @@ class Tracker:
                     "MLflow run %s of %s not found at %s (%s): starting a new one",
                     run_id,
                     store.run_id,
-                    uri,
+                    redact(uri),
                     type(e).__name__,
                 )
                 run_id = None
         if run_id is None:
             run_id = cls._create(client, cfg, uri, store)
-            store.write_run({**run_doc, "mlflow_run_id": run_id, "mlflow_tracking_uri": uri})
+            where = {"mlflow_run_id": run_id, "mlflow_tracking_uri": redact(uri)}
+            store.write_run({**run_doc, **where})
         tags = {"hybridrl.code_version": code_version}
         if lineage := run_doc.get("lineage"):  # a fork: the UI nests it under its parent
             tags |= {"hybridrl.parent": lineage["parent"], "hybridrl.fork_at": lineage["at"]}
@@ -299,7 +317,7 @@ def client_for(uri: str | None) -> Any:
     """A client for reading runs: the store must exist (reading never creates one)."""
     from mlflow.tracking import MlflowClient
 
-    uri = uri or tracking_uri(HybridConfig())
+    uri = usable_uri(uri)
     check_tracking(uri, must_exist=True)
     return MlflowClient(uri)
 
@@ -320,7 +338,7 @@ def find_run(uri: str | None, run_id: str, experiment: str = "hybridrl") -> Any:
             return run
     raise LookupError(
         f"no run {run_id!r} in MLflow experiment {experiment!r} at "
-        f"{uri or tracking_uri(HybridConfig())}"
+        f"{redact(uri or tracking_uri(HybridConfig()))}"
     )
 
 
@@ -379,7 +397,7 @@ def ui_hint(
 ) -> str:
     """Where to look at runs in the MLflow UI: its metric page with `keys` of every run
     overlaid by step (the compare-runs page opens on a parallel-coordinates plot)."""
-    uri = uri or tracking_uri(HybridConfig())
+    uri = redact(uri or tracking_uri(HybridConfig()))
 
     def q(value: object) -> str:
         return urllib.parse.quote(json.dumps(value, separators=(",", ":")))
