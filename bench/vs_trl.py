@@ -10,8 +10,9 @@ per step over the 32 samples; lr 1e-5 constant, grad clip 1.0; no KL (TRL `beta=
 no reference); the same prompts in the same order; the same torch thread count. TRL:
 `per_device_train_batch_size=32`, `steps_per_generation=1`, `num_generations=4`,
 `num_iterations=1` (one generation batch = one optimizer step), `gradient_checkpointing=False`,
-`loss_type="dapo"` (token-mean, like hybridrl's default), `scale_rewards="group"`,
-`shuffle_dataset=False`. hybridrl: `hybridrl train`'s flow (Prefect, local storage), roles
+`loss_type="dapo"` (token-mean, like hybridrl's default), `scale_rewards="group"`, and what
+`bench/trl_setup.py` forces for every comparison (fp32, the prompts in hybridrl's order,
+hybridrl's scorer as the reward). hybridrl: `hybridrl train`'s flow (Prefect, local storage), roles
 in-process (`--backend local`, the default) or on the Ray pool (`--backend ray`), without the
 demo's overlong penalty (TRL has none) and without tracking.
 
@@ -115,43 +116,26 @@ def child_trl(steps: int, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    cfg = demo_config([])
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
+    from trl_setup import trl_trainer
 
-    from hybrid_engine.data import PromptData
-    from hybrid_engine.models.loading import load_tokenizer, resolve_model_path
-    from hybrid_engine.rewards import RewardScorer
     from hybrid_engine.rollout.base import response_mask_from_ids
 
-    data = PromptData(cfg.data)
-    rows = [r for s in range(1, steps + 1) for r in data.step_rows(s)]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "row": json.dumps(r)} for r in rows])
-    scorer = RewardScorer(None, cfg.reward.answer_format, cfg.data.task_config)
-
-    def reward(prompts, completions, row, **_):  # noqa: ANN001, ANN202
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return scorer.score([""] * len(texts), texts, [json.loads(r) for r in row])
-
-    tokenizer = load_tokenizer(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(cfg.model.path), dtype=torch.float32
-    )
     timing = {"gen_s": 0.0, "gen_tokens": 0, "prompt_tokens": 0}
-    generate = model.generate
-    eos = tokenizer.eos_token_id
 
-    def timed_generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        start = time.perf_counter()
-        out = generate(*args, **kwargs)
-        timing["gen_s"] += time.perf_counter() - start
-        completion = out[:, kwargs["input_ids"].shape[1] :]
-        timing["gen_tokens"] += int(response_mask_from_ids(completion, eos).sum())
-        timing["prompt_tokens"] += int(kwargs["attention_mask"].sum())
-        return out
+    def timed(model, tokenizer) -> None:  # noqa: ANN001
+        generate, eos = model.generate, tokenizer.eos_token_id
 
-    model.generate = timed_generate
+        def timed_generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            out = generate(*args, **kwargs)
+            timing["gen_s"] += time.perf_counter() - start
+            completion = out[:, kwargs["input_ids"].shape[1] :]
+            timing["gen_tokens"] += int(response_mask_from_ids(completion, eos).sum())
+            timing["prompt_tokens"] += int(kwargs["attention_mask"].sum())
+            return out
+
+        model.generate = timed_generate
 
     class Steps(TrainerCallback):
         def on_step_begin(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
@@ -162,44 +146,25 @@ def child_trl(steps: int, threads: int) -> None:
             emit({"step": state.global_step, "step_s": time.perf_counter() - self.start, **timing})
 
     out_dir = tempfile.mkdtemp(prefix="vs-trl-trl-")  # save_strategy="no": logs only, removed
-    args = GRPOConfig(
-        output_dir=out_dir,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        per_device_train_batch_size=PROMPTS * SAMPLES,
-        steps_per_generation=1,
-        num_generations=SAMPLES,
-        num_iterations=1,
-        beta=0.0,
-        gradient_checkpointing=False,
-        max_completion_length=NEW_TOKENS,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        loss_type="dapo",
-        scale_rewards="group",
-        shuffle_dataset=False,
-        max_steps=steps,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=cfg.trainer.seed,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[Steps()],
-    )
+    settings = {  # the equal work (the module docstring); the rest is TRL's default
+        "per_device_train_batch_size": PROMPTS * SAMPLES,
+        "steps_per_generation": 1,
+        "num_generations": SAMPLES,
+        "num_iterations": 1,
+        "beta": 0.0,
+        "gradient_checkpointing": False,
+        "max_completion_length": NEW_TOKENS,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "learning_rate": LR,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "max_grad_norm": 1.0,
+        "loss_type": "dapo",
+        "scale_rewards": "group",
+    }
+    trainer = trl_trainer(demo_config([]), steps, settings, [Steps()], out_dir, timed)
     try:
         trainer.train()
     finally:

@@ -13,6 +13,8 @@ statistics a promotion gate checks.
 
 Samples use the run's `rollout` sampling settings and a fixed seed, so an evaluation is
 deterministic on CPU. Single-turn tasks only (a multi-turn run is scored by its validation).
+`greedy_heldout` scores any trainer's policy (a plain transformers module) the same way as
+the greedy half of `evaluate_policy`: answer-correct and format-correct shares.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Any
 import torch
 
 from hybrid_engine.data import prompt_batch
-from hybrid_engine.rewards import extract_answer
+from hybrid_engine.rewards import RewardScorer, extract_answer, format_correct
 from hybrid_engine.rollout.base import SamplingParams, step_seed
+from hybrid_engine.rollout.hf import HFRollout
 from hybrid_engine.rollout.multiturn import conversation_text, multi_turn_metrics
 
 EVAL_SEED_STEP = -2  # validation uses -1: a seed of its own
@@ -106,14 +109,14 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     prompts = prompt_batch(rows, engine.tokenizer, cfg.data.max_prompt_length)
     prompts["uid"] = [f"eval-{i}" for i in range(len(prompts))]
     greedy = engine.actor.generate(prompts, SamplingParams(limit, 0.0))
-    texts = _texts(engine, greedy)
+    texts = _texts(engine.tokenizer, greedy)
     scores = engine.scorer.score([""] * len(rows), texts, rows)
     lengths = greedy["response_mask"].sum(-1).float()
     seed = step_seed(cfg.trainer.seed, EVAL_SEED_STEP)
     sampled = engine.actor.generate(
         prompts.repeat_interleave(k), SamplingParams(limit, r.temperature, r.top_p, r.top_k, seed)
     )
-    s_texts = _texts(engine, sampled)
+    s_texts = _texts(engine.tokenizer, sampled)
     s_scores = engine.scorer.score(
         [""] * len(s_texts), s_texts, [row for row in rows for _ in range(k)]
     )
@@ -133,16 +136,44 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
         "eval/accuracy": sum(s >= 1.0 for s in scores) / n,
         f"eval/pass_at_{k}": pass_k / n,
         f"eval/maj_at_{k}": maj_k / n,
-        "eval/format_rate": sum(extract_answer(t, fmt) is not None for t in texts) / n,
+        "eval/format_rate": sum(format_correct(t, fmt) for t in texts) / n,
         "eval/response_length/mean": float(lengths.mean()),
         "eval/clip_ratio": float((lengths >= limit).float().mean()),
         "eval/questions": float(n),
     }
 
 
-def _texts(engine: Any, batch: Any) -> list[str]:
+@torch.no_grad()
+def greedy_heldout(
+    model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], cfg: Any
+) -> dict[str, float]:
+    """Greedy scores of a plain transformers causal LM (hybridrl's policy or another
+    trainer's) on `rows`, as a run with config `cfg` validates: its prompt template, the `hf`
+    rollout's decode at `rollout.val.max_new_tokens` (else `rollout.max_new_tokens`) and
+    `rollout.micro_batch_size` slots, its scorer. Returns the shares answer_correct (scored 1)
+    and format_correct (`rewards.format_correct`), the mean response length, the count."""
+    if not rows:
+        raise ValueError("greedy_heldout: no held-out rows")
+    r = cfg.rollout
+    rollout = HFRollout(model, tokenizer.pad_token_id, tokenizer.eos_token_id, r.micro_batch_size)
+    prompts = prompt_batch(rows, tokenizer, cfg.data.max_prompt_length)
+    greedy = rollout.generate(
+        prompts, SamplingParams(r.val.max_new_tokens or r.max_new_tokens, 0.0)
+    )
+    texts = _texts(tokenizer, greedy)
+    scorer = RewardScorer(cfg.reward.function, cfg.reward.answer_format, cfg.data.task_config)
+    scores = scorer.score([""] * len(rows), texts, rows)
+    n = len(rows)
+    return {
+        "answer_correct": sum(s >= 1.0 for s in scores) / n,
+        "format_correct": sum(format_correct(t, cfg.reward.answer_format) for t in texts) / n,
+        "response_length": float(greedy["response_mask"].sum(-1).float().mean()),
+        "questions": float(n),
+    }
+
+
+def _texts(tokenizer: Any, batch: Any) -> list[str]:
     ids, mask = batch["response_ids"], batch["response_mask"]
     return [
-        engine.tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True)
-        for i in range(len(ids))
+        tokenizer.decode(ids[i][mask[i].bool()], skip_special_tokens=True) for i in range(len(ids))
     ]

@@ -55,6 +55,14 @@ def extract_answer(text: str, answer_format: str = "last_number") -> str | None:
     return found[-1].replace(",", "").rstrip(".") if found else None
 
 
+def format_correct(text: str, answer_format: str = "last_number") -> bool:
+    """Format-correct: the scorer can read a final answer from the completion, the answer
+    format the presets' system prompts ask for (`last_number`: a plain number, the last one
+    is the answer; `hashes`: an answer after `####`). Answer-correct is scored on that same
+    answer, so an answer-correct response is always format-correct."""
+    return extract_answer(text, answer_format) is not None
+
+
 def numeric_match(answer: str | None, ground_truth: Any) -> float:
     """1.0 when the answer equals the ground truth as a number (or as text), else 0.0."""
     if answer is None:

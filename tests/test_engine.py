@@ -40,6 +40,8 @@ def test_grpo_step_updates_every_parameter():
         "actor/pg_loss",
         "actor/entropy",
         "actor/grad_norm",
+        "actor/pg_clipfrac_low",
+        "actor/pg_clipfrac_high",
         "critic/score/mean",
         "response_length/mean",
         "timing_s/gen",

@@ -23,6 +23,7 @@ from hybrid_engine.registry import LOSS_AGG_MODES, POLICY_LOSSES
 __all__ = [
     "PolicyLoss",
     "agg_loss",
+    "band_clip_fractions",
     "cispo_loss",
     "entropy_from_logits",
     "geo_mean_loss",
@@ -167,6 +168,25 @@ def policy_loss(
         tau_neg=tau_neg,
         loss_scale_factor=loss_scale_factor,
     )
+
+
+def band_clip_fractions(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token shares where the PPO band binds, by side (TRL's ``clip_ratio/low_mean`` and
+    ``clip_ratio/high_mean``), for any loss mode, on the token ratio r = exp(logp - old):
+
+    low = mean[r < 1 - low and A < 0];  high = mean[r > 1 + high and A > 0]    (detached)
+    """
+    ratio = torch.exp((log_prob - old_log_prob).clamp(-20.0, 20.0))
+    low = (ratio < 1.0 - clip_ratio_low) & (advantages < 0)
+    high = (ratio > 1.0 + clip_ratio_high) & (advantages > 0)
+    return _frac(low, response_mask), _frac(high, response_mask)
 
 
 def _is_weighted(losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,13 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from hybrid_engine.algorithms.kl import kl_penalty
-from hybrid_engine.algorithms.losses import agg_loss, loss_aggregation, policy_loss, value_loss
+from hybrid_engine.algorithms.losses import (
+    agg_loss,
+    band_clip_fractions,
+    loss_aggregation,
+    policy_loss,
+    value_loss,
+)
 from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import CriticConfig, HybridConfig
@@ -246,6 +252,9 @@ class ActorRolloutRef:
                 a.policy_loss.tau_neg,
                 scale,
             )
+            low, high = band_clip_fractions(
+                old, logp, micro["advantages"][:, :keep], mask, a.clip_ratio_low, a.clip_ratio_high
+            )
             entropy = agg_loss(ent, mask, a.loss_agg_mode, scale)
             parts = [(pg, pg_agg)]
             if a.entropy_coeff:  # with no bonus the entropy is a metric only: no backward
@@ -254,6 +263,8 @@ class ActorRolloutRef:
                 "actor/pg_loss": pg,
                 "actor/pg_clipfrac": clipfrac,
                 "actor/pg_clipfrac_lower": clip_lower,
+                "actor/pg_clipfrac_low": low,  # the band by side (TRL's clip_ratio/low, high)
+                "actor/pg_clipfrac_high": high,
                 "actor/ppo_kl": ppo_kl,
                 "actor/entropy": entropy,
             }
