@@ -189,7 +189,7 @@ CASES = [
         "reward NaN",
         ["train", TINY, "reward.function=reward_fns:returns_nan"],
         {},
-        "reward for sample 3 is nan, not a finite float",
+        "reward for sample 3 is nan, not a finite real number",
     ),
     (
         "reward None",

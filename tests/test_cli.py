@@ -68,7 +68,7 @@ def test_train_saves_final_policy_and_summary(tmp_path):
         (["configs/grpo_tiny.yaml", "trainer.run_id=../x"], "run id '../x'"),
         (["configs/grpo_tiny.yaml", "reward.function=nope:fn"], "reward.function='nope:fn'"),
         (["configs/grpo_tiny.yaml", "trainer.output_dir=x"], "replaced by storage.root"),
-        (["configs/grpo_tiny.yaml", "rollout.name=vllm"], "install the [vllm] extra"),
+        (["configs/grpo_tiny.yaml", "trainer.run_id=a[x]"], "run id 'a[x]'"),  # brackets kept
     ],
 )
 def test_train_fails_with_one_line(args, needle):

@@ -62,7 +62,7 @@ def test_the_readme_is_a_landing_page() -> None:
 # A measured figure: a share, a duration, a rate, a test count. Each lives once, in docs/,
 # with its machine and date; the README links there.
 FIGURE = re.compile(
-    r"\d+(?:\.\d+)?\s?(?:%|s\b|min\b|minutes\b|seconds\b|hours?\b|tok/s|GiB|MB\b)"
+    r"\d+(?:\.\d+)?\s?(?:%|s\b|min\b|minutes\b|seconds\b|hours?\b|tok/s|GiB|GB\b|MB\b)"
     r"|\b\d+ (?:tests|passed)\b|\b\d+:\d\d\b"
 )
 
