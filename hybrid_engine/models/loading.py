@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,12 +59,18 @@ def ensure_smollm2() -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    return save_model_dir(model, tokenizer, target)
+
+
+def save_model_dir(model: Any, tokenizer: Any, target: Path) -> Path:
+    """`model` and `tokenizer` as a HF directory at `target`, written beside it and renamed
+    into place: a concurrent writer either wins or finds it done."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     try:
-        tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
+        tmp.rename(target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
-from hybrid_engine.models.loading import TINY, cache_dir, resolve_model_path
+from hybrid_engine.models.loading import TINY, cache_dir, resolve_model_path, save_model_dir
 from hybrid_engine.registry import ROLLOUT_BACKENDS
 from hybrid_engine.rollout import vllm_env
 from hybrid_engine.rollout.base import SamplingParams, response_mask_from_ids, with_responses
@@ -170,13 +169,7 @@ def engine_model_dir(cfg: HybridConfig, module: torch.nn.Module, tokenizer: Any)
     text = module.config.to_json_string()
     target = cache_dir() / "vllm-models" / hashlib.sha256(text.encode()).hexdigest()[:12]
     if not (target / "config.json").is_file():
-        tmp = target.with_name(f".{target.name}-{os.getpid()}")
-        module.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)  # atomic: a concurrent writer either wins or finds it done
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_model_dir(module, tokenizer, target)
     return target
 
 
