@@ -116,6 +116,19 @@ def test_gap_metrics_and_their_merge_over_ranks():
 
 # ------------------------------------------------------- checked before an engine starts
 @pytest.mark.fast
+def test_the_tiny_models_engine_folder_is_written_once(tmp_path, tokenizer, monkeypatch):
+    from hybrid_engine.models.loading import load_policy
+
+    monkeypatch.setenv("HYBRIDRL_CACHE", str(tmp_path))
+    cfg = load_config("configs/grpo_tiny.yaml", ["rollout.name=vllm"])
+    model = load_policy(cfg.model, tokenizer, 0)
+    first = engine_model_dir(cfg, model, tokenizer)
+    assert (first / "model.safetensors").is_file()
+    assert engine_model_dir(cfg, model, tokenizer) == first  # found again after the save
+    assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+
+@pytest.mark.fast
 def test_head_dim_kv_size_and_model_path_are_refused_before_an_engine_starts(tmp_path, tokenizer):
     from hybrid_engine.models.loading import load_policy
 

@@ -166,7 +166,10 @@ def engine_model_dir(cfg: HybridConfig, module: torch.nn.Module, tokenizer: Any)
     once per shape under the cache (its weights are replaced by the first push)."""
     if cfg.model.path != TINY:
         return resolve_model_path(cfg.model.path)
-    text = module.config.to_json_string()
+    # save_pretrained adds `architectures` to the config: the key leaves it out, so the same
+    # module finds its folder again after the first save
+    doc = {k: v for k, v in module.config.to_dict().items() if k != "architectures"}
+    text = json.dumps(doc, sort_keys=True, default=str)
     target = cache_dir() / "vllm-models" / hashlib.sha256(text.encode()).hexdigest()[:12]
     if not (target / "config.json").is_file():
         save_model_dir(module, tokenizer, target)
