@@ -4,6 +4,7 @@ through OpenEnv's own client: a server the test starts on 127.0.0.1 with OpenEnv
 class hybridrl serves itself (environments in tests/openenv_envs.py)."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,10 @@ def test_a_served_class_waits_for_its_server_within_the_timeout():
     env.reset({"prompt": []}, 1)
     assert env.step("x").observation == [{"role": "user", "content": "Longer, please."}]
     env.close()
+    silent = socket.socket()  # a server that takes connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    with pytest.raises(TimeoutError, match=r"did not answer within 0.2 s.*env_kwargs\.timeout_s"):
+        make_environment(f"openenv:{url}", {"timeout_s": 0.2})
+    silent.close()
