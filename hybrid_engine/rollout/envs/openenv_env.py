@@ -113,7 +113,13 @@ class OpenEnvEnvironment(Environment):
 
         url = target if "://" in target else serve_class(target, timeout_s)
         self.name = f"{PREFIX}{target}"
-        schema = httpx.get(f"{url}/schema", timeout=timeout_s).json()["action"]
+        try:
+            schema = httpx.get(f"{url}/schema", timeout=timeout_s).json()["action"]
+        except httpx.TimeoutException:
+            raise TimeoutError(
+                f"{self.name}: the OpenEnv server at {url} did not answer within {timeout_s:g} s "
+                "(rollout.multi_turn.env_kwargs.timeout_s)"
+            ) from None
         text = json.dumps(schema)
         self.mcp = "call_tool" in text and "tool_name" in text
         self.field = action_field
