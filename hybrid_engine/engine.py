@@ -77,7 +77,7 @@ class Engine:
                 self.critic = Critic(cfg, self.tokenizer)
             if cfg.use_reward_model:
                 self.reward_model = RewardModel(cfg, self.tokenizer)
-        self.kl_ctrl = kl_controller(cfg.algorithm.kl_ctrl)
+        self.kl_ctrl = kl_controller(**cfg.algorithm.kl_ctrl.model_dump())
         self.next_gen_batch, self.kept_of_prompts = 1, None  # the plain loop's DAPO cursor
         # the last update applied to the weights, {step, meta}: a retried commit uses it
         self.applied_update: dict[str, Any] | None = None
@@ -117,7 +117,7 @@ class Engine:
             self.actor = ActorRolloutRef(self.cfg, self.tokenizer)
             if self.critic is not None:
                 self.critic = Critic(self.cfg, self.tokenizer)
-        self.kl_ctrl = kl_controller(self.cfg.algorithm.kl_ctrl)
+        self.kl_ctrl = kl_controller(**self.cfg.algorithm.kl_ctrl.model_dump())
 
     @property
     def on_policy_single_update(self) -> bool:

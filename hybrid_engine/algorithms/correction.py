@@ -17,7 +17,7 @@ import math
 import torch
 
 from hybrid_engine.algorithms.utils import masked_mean, masked_sum
-from hybrid_engine.config.bands import parse_is_threshold, parse_rejection
+from hybrid_engine.bands import parse_is_threshold, parse_rejection
 from hybrid_engine.registry import IS_LEVELS, REJECTION_MODES
 
 __all__ = [

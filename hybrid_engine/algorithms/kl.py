@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from hybrid_engine.algorithms.utils import masked_mean
-from hybrid_engine.config import KLControlConfig
 from hybrid_engine.registry import KL_ESTIMATORS
 
 __all__ = [
@@ -112,8 +111,10 @@ def apply_kl_penalty(
     return rewards, mean_kl
 
 
-def kl_controller(k: KLControlConfig) -> AdaptiveKLController | FixedKLController:
-    """The controller `algorithm.kl_ctrl` describes."""
-    if k.type == "adaptive":
-        return AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
-    return FixedKLController(k.kl_coef)
+def kl_controller(
+    type: str, kl_coef: float, target_kl: float, horizon: float
+) -> AdaptiveKLController | FixedKLController:
+    """The controller `algorithm.kl_ctrl`'s fields describe: `type` "adaptive" or "fixed"."""
+    if type == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    return FixedKLController(kl_coef)

@@ -430,7 +430,7 @@ class RolloutCorrectionConfig(Section):
     def _check(self) -> RolloutCorrectionConfig:
         if not self.enabled:
             return self
-        from hybrid_engine.config.bands import parse_is_threshold, parse_rejection
+        from hybrid_engine.bands import parse_is_threshold, parse_rejection
 
         if self.level is not None:
             try:
