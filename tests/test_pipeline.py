@@ -157,6 +157,7 @@ def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, refer
     # while it was up: one healthy worker holding the run's last weights version
     assert status.returncode == 0 and status.stdout.count(" ok ") == 1, status.stdout
     assert "actor-0" in status.stdout and "0/1" in status.stdout and f" {STEPS} " in status.stdout
+    assert "local Ray head: 127.0.0.1:" in status.stdout, status.stdout
     assert "worker pool 'pipeline' stays up" in logs[-1]
     assert "the engine holds weights version 2: nothing to load" in logs[1]
     assert "loaded checkpoint step_2 (the engine held version 4)" in logs[2]

@@ -43,6 +43,20 @@ def workers_by_node() -> dict[str, list[str]]:
     return out
 
 
+def heads_line() -> Text:
+    """The local heads this machine's state dir started: one line, red when more than one
+    (started by code without the head lock: `hybridrl cluster down` stops them all)."""
+    from hybrid_engine.pool.cluster import local_heads
+
+    heads = local_heads()
+    shown = ", ".join(f"{h['address']}{'' if h['recorded'] else ' (unrecorded)'}" for h in heads)
+    if len(heads) > 1:
+        return Text(
+            f"{len(heads)} local Ray heads: {shown}; `hybridrl cluster down` stops all", "red"
+        )
+    return Text(f"local Ray head: {shown}" if heads else "no local Ray head")
+
+
 @cluster_app.command("status")
 def status() -> None:
     """Each node: id, address, head or not, alive, CPUs and custom resources (free/total),
@@ -80,6 +94,7 @@ def status() -> None:
             ", ".join(placed.get(node_id, [])) or "-",
         )
     console.print(table)
+    console.print(heads_line())
 
 
 @cluster_app.command("up")
@@ -129,7 +144,8 @@ def remove_node(
 
 @cluster_app.command("down")
 def down() -> None:
-    """Stop the local head and every node added to it (the pools on them die with them)."""
+    """Stop every local head this machine's state dir started and every node added to them
+    (the pools on them die with them)."""
     from hybrid_engine.pool.cluster import stop_local_head
 
     console.print("local cluster stopped" if stop_local_head() else "no local head is running")

@@ -360,7 +360,7 @@ def replay(
 
 
 from flows.cli import models as cli_models  # noqa: E402 - the registry commands
-from flows.cli.cluster import cluster_app  # noqa: E402
+from flows.cli.cluster import cluster_app, heads_line  # noqa: E402
 
 app.add_typer(cluster_app, name="cluster")
 
@@ -429,6 +429,7 @@ def pool_status(pool: PoolName = "default") -> None:
             "ok" if healthy else Text(w.get("error") or "unhealthy", "red"),
         )
     console.print(table)
+    console.print(heads_line())
 
 
 @pool_app.command("down")

@@ -2,12 +2,19 @@
 local head started as a background process (`ray start --head` on 127.0.0.1), its address and
 temp dir recorded in `<state dir>/head.json` so that it and the actors on it outlive the
 driver that started it; `stop_local_head` ends it and every process it started.
+
+One state dir, one head: drivers that start at once take `<state dir>/head.lock` and the
+second finds the head the first started. Every head and node temp dir carries the state
+dir's `tag`, so `local_heads` sees a head whose record was lost and `stop_local_head` stops
+it too.
 `add_local_node` gives that cluster more nodes on this machine (each its own raylet), for
 multi-node tests and benchmarks; `remove_local_node` stops one, gently or as a lost machine."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -17,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -55,18 +63,74 @@ def _port_open(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def tag() -> str:
+    """This state dir's mark in the name of every head and node temp dir it starts (short:
+    Ray's socket paths under the temp dir must stay below 108 bytes)."""
+    return hashlib.sha1(str(state_dir().resolve()).encode()).hexdigest()[:6]
+
+
+def _temp_dir(kind: str) -> str:
+    return tempfile.mkdtemp(prefix=f"hrl-ray-{tag()}-{kind}-", dir="/tmp")
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """The state dir's head lock: one process at a time finds, starts or stops the head."""
+    state_dir().mkdir(parents=True, exist_ok=True)
+    with (state_dir() / "head.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def local_heads() -> list[dict]:
+    """Every live head this state dir started, recorded or not: {address, temp_dir, pids,
+    recorded}. More than one means a head was started by code without the lock."""
+    state = state_dir() / "head.json"
+    recorded = json.loads(state.read_text())["temp_dir"] if state.is_file() else None
+    dirs = {str(d) for d in Path("/tmp").glob(f"hrl-ray-{tag()}-h-*")} | {recorded} - {None}
+    heads = []
+    for d in sorted(dirs):
+        procs = _head_processes(d)
+        port = None
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                for a in p.cmdline():
+                    if a.startswith("--gcs_server_port="):
+                        port = a.split("=", 1)[1]
+        if port is not None:
+            heads.append(
+                {
+                    "address": f"127.0.0.1:{port}",
+                    "temp_dir": d,
+                    "pids": sorted(p.pid for p in procs),
+                    "recorded": d == recorded,
+                }
+            )
+    return heads
+
+
 def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str | None:
     """Address of this machine's hybridrl head; started in the background if `start`."""
-    state = state_dir() / "head.json"
-    if state.is_file():
-        info = json.loads(state.read_text())
-        if _port_open(info["address"]):
-            return info["address"]
-        stop_local_head()  # stale: its processes are gone or half gone
-    if not start:
-        return None
+    with _locked():
+        state = state_dir() / "head.json"
+        if state.is_file():
+            info = json.loads(state.read_text())
+            if _port_open(info["address"]):
+                return info["address"]
+        for h in local_heads():  # alive, its record lost: adopt it
+            if _port_open(h["address"]):
+                state.write_text(json.dumps({"address": h["address"], "temp_dir": h["temp_dir"]}))
+                return h["address"]
+        _stop_heads()  # stale: their processes are gone or half gone
+        return _start_head(num_cpus, timeout_s) if start else None
+
+
+def _start_head(num_cpus: int, timeout_s: float) -> str:
     port = _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="hrl-ray-", dir="/tmp")  # short: socket paths <108 B
+    temp_dir = _temp_dir("h")
     cmd = [
         str(Path(sys.executable).parent / "ray"),
         "start",
@@ -87,11 +151,11 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
         cmd, env=env, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
     )
     if proc.returncode != 0:
+        _end(_head_processes(temp_dir), kill=True)  # what it started before it failed
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise PoolError(f"`ray start --head` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     address = f"127.0.0.1:{port}"
-    state.parent.mkdir(parents=True, exist_ok=True)
-    state.write_text(json.dumps({"address": address, "temp_dir": temp_dir}))
+    (state_dir() / "head.json").write_text(json.dumps({"address": address, "temp_dir": temp_dir}))
     mode = env["RAY_AUTH_MODE"]
     log.info(
         "started a local Ray head on %s (loopback only), RAY_AUTH_MODE=%s%s",
@@ -117,17 +181,26 @@ def _head_processes(temp_dir: str) -> list[psutil.Process]:
 
 
 def stop_local_head() -> bool:
-    """Stop the head recorded in the state dir (only its own processes). True if one was."""
+    """Stop every head this state dir started (the recorded one and any whose record was
+    lost) with the nodes added to them: only their own processes. True if one was."""
+    with _locked():
+        return _stop_heads()
+
+
+def _stop_heads() -> bool:
     state = state_dir() / "head.json"
-    if not state.is_file():
+    dirs = {str(d) for d in Path("/tmp").glob(f"hrl-ray-{tag()}-*")}
+    if state.is_file():
+        dirs.add(json.loads(state.read_text())["temp_dir"])  # one an older version started
+    if not dirs and not local_nodes():
         return False
-    info = json.loads(state.read_text())
     if ray.is_initialized():
         ray.shutdown()
     for name in local_nodes():  # the nodes added to its cluster go with it
         remove_local_node(name)
-    _end(_head_processes(info["temp_dir"]), kill=False)
-    shutil.rmtree(info["temp_dir"], ignore_errors=True)
+    for d in dirs:
+        _end(_head_processes(d), kill=False)
+        shutil.rmtree(d, ignore_errors=True)
     state.unlink(missing_ok=True)
     return True
 
@@ -157,7 +230,7 @@ def add_local_node(
         raise PoolError("no local Ray head to add a node to (`hybridrl cluster up` starts one)")
     if name in local_nodes():
         raise PoolError(f"a local node named {name!r} exists; remove it first")
-    temp_dir = tempfile.mkdtemp(prefix=f"hrl-ray-{name}-", dir="/tmp")
+    temp_dir = _temp_dir(f"n-{name}")
     ports = (
         "node_manager_port",
         "object_manager_port",
