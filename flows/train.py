@@ -316,7 +316,7 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     fault_point("driver:start-engine")  # a new run has no run.json yet
     claim = None
     if cfg.trainer.backend == "ray":
-        from hybrid_engine.pool.claim import claim_pool
+        from hybrid_engine.pool.sharing import claim_pool
 
         claim = claim_pool(cfg, say=get_run_logger().warning)
     turn = claim.turn("attach") if claim is not None else contextlib.nullcontext()

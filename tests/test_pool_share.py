@@ -12,8 +12,9 @@ import torch
 
 from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine
-from hybrid_engine.pool.claim import PoolBusy, claim_pool
+from hybrid_engine.pool.claim import PoolBusy
 from hybrid_engine.pool.cluster import PoolError
+from hybrid_engine.pool.sharing import claim_pool
 
 BASE = [
     "reward.function=reward_fns:length_score",

@@ -257,11 +257,7 @@ def claim_pool(cfg: Any, say: Any = log.warning) -> PoolClaim:
     connect(cfg)
     r = cfg.ray
     if r.when_busy == "share":
-        from hybrid_engine.pool.sharing import SharedClaim
-
-        shared = SharedClaim(cfg)
-        shared.take(say=say)
-        return shared
+        raise ValueError("ray.when_busy=share: attach with hybrid_engine.pool.sharing.claim_pool")
     claim = PoolClaim(r.pool_name, f"hybridrl-{r.pool_name}", cfg.trainer.run_id, r.claim_timeout_s)
     claim.take(wait=r.when_busy == "wait", say=say)
     return claim

@@ -1,7 +1,7 @@
 """A driver's side of a shared pool (`ray.when_busy=share`): its run attached to the pool's
 scheduler (`hybrid_engine.pool.turns`, kept by the claim actor) and its turns.
 
-    claim = claim_pool(cfg)            # attach: refused in one line past ray.max_runs, or
+    claim = claim_pool(cfg)            # (this module's) attach: refused in one line past ray.max_runs, or
                                        # when a must-match field differs (worker.SHARED)
     with claim.turn("step-3/rollout"): # wait for the workers, swap this run's slot in
         ...                            # (hybrid_engine.pool.slots), call them
@@ -158,6 +158,20 @@ class SharedClaim(PoolClaim):
                 ray.get([h.leave.remote(self.owner) for h in g.handles], timeout=60)
         with contextlib.suppress(Exception):
             ray.get(self.actor.detach.remote(self.owner), timeout=30)
+
+
+def claim_pool(cfg: Any, say: Any = log.warning) -> PoolClaim:
+    """Connect to Ray and take this run's place on `ray.pool_name`: attached beside the
+    runs sharing it (`ray.when_busy=share`), else the one-run claim (refuse, or wait)."""
+    from hybrid_engine.pool import claim
+    from hybrid_engine.pool.cluster import connect
+
+    if cfg.ray.when_busy != "share":
+        return claim.claim_pool(cfg, say)
+    connect(cfg)
+    shared = SharedClaim(cfg)
+    shared.take(say=say)
+    return shared
 
 
 def runs_on(pool: str) -> dict[str, Any] | None:
