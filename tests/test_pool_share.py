@@ -106,4 +106,7 @@ def test_two_runs_interleaved_on_one_pool_each_end_as_they_would_alone():
     a.pool.claim.release()
     b.pool.claim.release()
     assert a.pool.status()[0]["runs"] == [] and runs_on("sh")["runs"] == []
-    a.pool.down(stop_head=False)
+    alone = Engine(cfg("sh", "alone", "trainer.seed=1"))  # a run alone on the emptied pool
+    alone.step(1)
+    assert alone.actor.weights_version == 1
+    alone.pool.down(stop_head=False)

@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 
+from hybrid_engine.config import ConfigError, load_config
 from hybrid_engine.pool.claim import driver_id, gone
 from hybrid_engine.pool.turns import Turns
 
@@ -85,3 +86,30 @@ def test_a_run_whose_driver_died_is_detached_and_its_turn_released():
     t.request(who("alive")["owner"], "step-1/reward", gone)
     assert [r["run"] for r in t.read()] == ["alive"]
     assert "not renewed" in t.renew(quiet["owner"])
+
+
+def test_a_turn_past_its_slice_while_another_run_waits_is_reported():
+    t = Turns()
+    a, b = {**who("a"), "slice_s": 0.05}, who("b")
+    attach(t, a), attach(t, b)
+    assert t.request(a["owner"], "step-1/update", gone)["granted"]
+    time.sleep(0.1)
+    assert not {r["run"]: r for r in t.read()}["a"]["over_slice"]  # nobody waits yet
+    got = t.request(b["owner"], "step-1/rollout", gone)
+    assert got["over_slice"] and got["holder"]["run"] == "a"
+    assert got["holder"]["stage"] == "step-1/update"
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["trainer.max_staleness=1"], "ray.rollout=separate (trainer.max_staleness=1"),
+        (["ray.rollout=separate"], "ray.rollout=separate with ray.when_busy=share"),
+        (["rollout.name=vllm"], "rollout.name=vllm with ray.when_busy=share"),
+    ],
+)
+def test_what_a_shared_pool_does_not_run_yet_is_refused_in_one_line(overrides, needle):
+    base = ["trainer.backend=ray", "ray.when_busy=share"]
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/grpo_tiny.yaml", [*base, *overrides])
+    assert needle in str(e.value) and "\n" not in str(e.value)

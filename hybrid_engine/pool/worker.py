@@ -154,6 +154,8 @@ class Worker(SlotsMixin):
         self.driver = driver
         import_plugins(cfg.algorithm.plugins)
         self.cfg = cfg
+        if not self.roles:  # the last run sharing the pool left it empty
+            self.build(driver)
         for role in self.roles.values():
             role.configure(cfg)
 
