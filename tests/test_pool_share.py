@@ -6,6 +6,7 @@ ray.max_resident_gb; a run that detaches frees its slot."""
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -92,6 +93,13 @@ def test_two_runs_interleaved_on_one_pool_each_end_as_they_would_alone():
 
     attached = runs_on("sh")["runs"]
     assert [r["run"] for r in attached] == ["a", "b"] and all(r["turns"] > 4 for r in attached)
+
+    got = []  # a thread of the run (an agent episode) calls the pool within its stage's turn
+    with a.pool.turn("step-3/rollout"):
+        episode = threading.Thread(target=lambda: got.append(a.actor.weights_version))
+        episode.start()
+        episode.join(timeout=120)
+    assert got == [2]
 
     # refusals at attach, one line each, naming the field
     with pytest.raises(PoolBusy, match="another model") as e:

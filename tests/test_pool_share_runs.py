@@ -112,6 +112,8 @@ def test_a_killed_driver_releases_its_turn_and_the_other_run_finishes(
         assert holds.startswith("  run one ") and "for step-2/advantage" in holds, shown
         (waits,) = [line for line in shown.splitlines() if "waiting" in line]
         assert waits.startswith("  run two "), shown
+        rc, out = driver(["pool", "down", "--pool", "shared"], prefect_api, extra_env=env)
+        assert rc == 1 and "is used by run one" in out and "stop that run first" in out
         one.kill_group()  # its process is gone: the scheduler detaches it at once
         rc, out, _ = two.wait(timeout=600)
     finally:

@@ -52,6 +52,7 @@ class SharedClaim(PoolClaim):
         self._lock = threading.Lock()
         self._depth = 0
         self._granted = threading.Event()
+        self._leading = False  # a thread of this run is asking for the turn
         self.totals = {"timing_s/pool_wait": 0.0, "timing_s/pool_switch": 0.0}
 
     def take(self, wait: bool = False, say: Any = log.warning) -> None:
@@ -99,13 +100,22 @@ class SharedClaim(PoolClaim):
         """Hold the pool's workers for this run (re-entrant, across this run's threads)."""
         with self._lock:
             self._depth += 1
-            first = self._depth == 1
+            lead = not self._leading and not self._granted.is_set()
+            self._leading |= lead
         try:
-            if first:
-                self._wait_turn(label)
-                self._granted.set()
-            else:
-                self._granted.wait()
+            while not self._granted.is_set():  # one thread asks; the others wait for it
+                if lead:
+                    try:
+                        self._wait_turn(label)
+                        self._granted.set()
+                    finally:
+                        with self._lock:
+                            self._leading = False
+                else:
+                    self._granted.wait(0.5)
+                    with self._lock:  # the asking thread failed: this one asks
+                        lead = not self._granted.is_set() and not self._leading
+                        self._leading |= lead
             yield
         finally:
             with self._lock:
