@@ -21,6 +21,7 @@ Parameters are plain JSON values (a deployment can pass them).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Iterator
@@ -315,13 +316,17 @@ def start_engine(cfg: HybridConfig, resume: bool) -> Engine:
     fault_point("driver:start-engine")  # a new run has no run.json yet
     claim = None
     if cfg.trainer.backend == "ray":
-        from hybrid_engine.pool.claim import claim_pool
+        from hybrid_engine.pool.sharing import claim_pool
 
         claim = claim_pool(cfg, say=get_run_logger().warning)
+    turn = claim.turn("attach") if claim is not None else contextlib.nullcontext()
     try:
         try:
-            engine = Engine(cfg, reset_pool=not resume)
+            with turn:  # a shared pool: its workers build this run's slot in its turn
+                engine = Engine(cfg, reset_pool=not resume)
         except WorkerLostError as e:
+            if cfg.ray.when_busy == "share":  # other runs' state lives in those workers
+                raise
             get_run_logger().warning(
                 "pool %r is broken (%s): removing it and starting a new one", cfg.ray.pool_name, e
             )

@@ -157,6 +157,12 @@ class Recovery:
                 f"{p.max_recoveries}; the run stopped at {where} with every committed "
                 f"stage kept. Continue it with `hybridrl resume {self.store.run_id}`"
             ) from None
+        if self.cfg.ray.when_busy == "share":  # the other runs' state lives in those workers
+            raise RecoveryExhausted(
+                f"{error}: re-creating a pool that runs share (ray.when_busy=share) is not "
+                f"built yet; the run stopped at {where} with every committed stage kept. "
+                f"Continue it with `hybridrl resume {self.store.run_id}`"
+            ) from None
         delay = p.recovery_delay_s * 2 ** (self.count - 1)
         log.warning(
             "recovery %d/%d: %s; re-creating the pool in %.0f s",

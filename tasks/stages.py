@@ -19,6 +19,7 @@ regenerates nothing and recomputes the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -51,8 +52,8 @@ def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
     def announced(*args: Any, **kwargs: Any) -> StageResult:
         a = signature.bind(*args, **kwargs).arguments
         emit("stage_started", step=a["step"], stage=fn.__name__, engine=a["engine"])
-        try:
-            with stage_limit(a["engine"], a["step"], fn.__name__):  # a hung worker: so declared
+        try:  # a hung worker: so declared; a shared pool: the stage's turn
+            with stage_limit(a["engine"], a["step"], fn.__name__), turn(a, fn.__name__):
                 fault_point(f"step-{a['step']}/{fn.__name__}:start")
                 result = fn(*args, **kwargs)
         except WorkerLostError as e:  # where it happened (a rollout may run beside the update)
@@ -77,6 +78,23 @@ def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
         cache_policy=NONE,
         persist_result=False,
     )
+
+
+def turn(a: dict[str, Any], stage: str) -> contextlib.AbstractContextManager[None]:
+    """On a pool shared by several runs (`ray.when_busy=share`), the stage holds the
+    workers for its run from start to end: runs interleave at stage boundaries only. The
+    reward stage takes none unless it scores on the pool (a reward model): a remote judge
+    leaves the workers to the other runs meanwhile (its pool calls take their own turns)."""
+    pool = a["engine"].pool
+    if pool is None or (stage == "reward" and not a["engine"].cfg.use_reward_model):
+        return contextlib.nullcontext()
+    return pool.turn(f"step-{a['step']}/{stage}")
+
+
+def pool_metrics(engine: Engine) -> dict[str, float]:
+    """The step's wait for turns and its switches on a shared pool (seconds)."""
+    claim = engine.pool.claim if engine.pool is not None else None
+    return claim.step_metrics() if hasattr(claim, "step_metrics") else {}
 
 
 class StageResult:
@@ -265,7 +283,7 @@ def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -
         replayed.replayed = True
         return replayed
     seconds = time.perf_counter() - start
-    metrics = finish_step(result.meta["metrics"], advantage.step_s + seconds)
+    metrics = finish_step(result.meta["metrics"], advantage.step_s + seconds) | pool_metrics(engine)
     meta = {"metrics": metrics, "weights_version": engine.actor.weights_version, "wall_s": seconds}
     engine.applied_update = {"step": step, "meta": meta}  # the weights are at N: keep the
     uri = store.commit_stage(step, "update", None, meta)  # metrics for a retried commit

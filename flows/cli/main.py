@@ -404,6 +404,7 @@ def pool_status(pool: PoolName = "default") -> None:
     pool = _checked_pool(pool)  # before Ray and torch are imported: a bad name fails at once
     from rich.table import Table
 
+    from flows.cli.sharing import show_pool
     from hybrid_engine.pool.pool import pool_status as status
 
     if not _connect():
@@ -428,7 +429,7 @@ def pool_status(pool: PoolName = "default") -> None:
             f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
             "ok" if healthy else Text(w.get("error") or "unhealthy", "red"),
         )
-    console.print(table)
+    show_pool(table, pool)  # and the runs sharing it (ray.when_busy=share)
     console.print(heads_line())
 
 

@@ -290,9 +290,31 @@ class RayConfig(Section):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
         description="names the pool's Ray namespace; drivers with the same name share workers",
     )
-    when_busy: Literal["refuse", "wait"] = Field(
+    when_busy: Literal["refuse", "wait", "share"] = Field(
         "refuse",
-        description="a pool another run trains on: refuse in one line, or wait until it is free",
+        description="a pool another run trains on: refuse in one line, wait until it is free, "
+        "or share it: the runs take turns stage by stage, each with its own weights, "
+        "optimizer and RNG state in the workers (guides/sharing-a-pool.md)",
+    )
+    max_runs: int = Field(
+        4, ge=1, description="ray.when_busy=share: most runs attached to the pool at once"
+    )
+    priority: int = Field(
+        0,
+        description="ray.when_busy=share: of the runs waiting for a turn, a higher priority "
+        "goes first; equal ones take turns round robin at stage boundaries",
+    )
+    max_resident_gb: float = Field(
+        16.0,
+        gt=0,
+        description="ray.when_busy=share: most GB of model and optimizer state a worker keeps "
+        "for all attached runs together; a run that would pass it is refused at attach",
+    )
+    turn_slice_s: float = Field(
+        600.0,
+        gt=0,
+        description="ray.when_busy=share: a turn held longer than this while other runs wait "
+        "is reported (warned, and marked in `hybridrl pool status`)",
     )
     claim_timeout_s: float = Field(
         60,

@@ -367,6 +367,23 @@ class HybridConfig(BaseSettings):
                 raise ValueError(f"{message}; or use rollout.name=hf")
         return self
 
+    @model_validator(mode="after")
+    def _check_sharing(self) -> HybridConfig:
+        """ray.when_busy=share refuses, in one line, what a shared pool does not run yet."""
+        if self.ray.when_busy != "share" or self.trainer.backend != "ray":
+            return self
+        why = "with ray.when_busy=share is not built yet"
+        if self.ray.rollout == "separate":
+            k = self.trainer.max_staleness
+            cause = f" (trainer.max_staleness={k} asks for it)" if k else ""
+            raise ValueError(f"ray.rollout=separate{cause} {why}; use ray.when_busy=refuse")
+        if self.rollout.name != "hf":
+            raise ValueError(
+                f"rollout.name={self.rollout.name} {why} (one engine per attached run); "
+                "use rollout.name=hf"
+            )
+        return self
+
 
 def _kv(d: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items())

@@ -20,6 +20,7 @@ another driver, e.g. one that ignores claims, is refused in the worker with `Poo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -30,6 +31,7 @@ from typing import Any
 import psutil
 import ray
 
+from hybrid_engine.pool.turns import Turns
 from hybrid_engine.processes import alive
 
 log = logging.getLogger("hybridrl.pool")
@@ -53,6 +55,7 @@ class Claim:
     def __init__(self) -> None:
         self.holder: dict[str, Any] | None = None
         self.renewed = 0.0  # time.monotonic() of the holder's last renewal
+        self.turns = Turns()  # the runs sharing the pool (ray.when_busy=share)
 
     def _shown(self) -> dict[str, Any] | None:
         h = self.holder
@@ -64,6 +67,9 @@ class Claim:
         h = self.holder
         if h is not None and h["owner"] not in (who["owner"], unless):
             return self._shown()
+        self.turns.prune(gone)
+        if self.turns.runs:  # shared runs hold it: shown as the first of them
+            return self.turns.read()[0]
         since = h["since"] if h is not None and h["owner"] == who["owner"] else time.time()
         self.holder, self.renewed = {**who, "since": since}, time.monotonic()
         return None
@@ -82,12 +88,43 @@ class Claim:
     def read(self) -> dict[str, Any] | None:
         return self._shown()
 
+    # a shared pool (ray.when_busy=share): `hybrid_engine.pool.turns` schedules its runs
+    def attach(self, who: dict[str, Any], spec: dict[str, Any], max_runs: int) -> str | None:
+        """Attach a run to share the pool; the refusal (one line), or None."""
+        h = self._shown()
+        if h is not None and gone(h) is None and h["owner"] != who["owner"]:
+            return (
+                f"is used by run {h['run']} (pid {h['pid']} on {h['host']}) alone (its "
+                "ray.when_busy is not share): wait for it to end, or use another ray.pool_name"
+            )
+        self.holder = None
+        return self.turns.attach(who, spec, max_runs, gone)
 
-def driver_id(run: str | None) -> dict[str, Any]:
-    """This process as a driver: {owner, run, host, pid, started}; `owner` is unique."""
+    def request(self, owner: str, label: str) -> dict[str, Any]:
+        return self.turns.request(owner, label, gone)
+
+    def done(self, owner: str) -> None:
+        self.turns.done(owner)
+
+    def renew_run(self, owner: str) -> str | None:
+        return self.turns.renew(owner)
+
+    def detach(self, owner: str) -> None:
+        self.turns.detach(owner)
+
+    def runs(self) -> dict[str, Any]:
+        """The attached runs (`Turns.shown`), dead ones detached first."""
+        self.turns.prune(gone)
+        return {"runs": self.turns.read(), "active": self.turns.active}
+
+
+def driver_id(run: str | None, per_run: bool = False) -> dict[str, Any]:
+    """This process as a driver: {owner, run, host, pid, started}; `owner` is unique (with
+    `per_run`, per run of the process: runs sharing a pool)."""
     me = psutil.Process()
+    tail = f"/{run}" if per_run else ""
     return {
-        "owner": f"{socket.gethostname()}:{me.pid}:{me.create_time():.3f}",
+        "owner": f"{socket.gethostname()}:{me.pid}:{me.create_time():.3f}{tail}",
         "run": run or "(no run id)",
         "host": socket.gethostname(),
         "pid": me.pid,
@@ -127,6 +164,8 @@ def live_holder(pool: str) -> dict[str, Any] | None:
     try:
         actor = ray.get_actor(NAME, namespace=f"hybridrl-{pool}")
         h = ray.get(actor.read.remote(), timeout=30)
+        if h is None or gone(h) is not None:  # runs sharing it: the first of them
+            h = next(iter(ray.get(actor.runs.remote(), timeout=30)["runs"]), None)
     except (ValueError, ray.exceptions.RayActorError):
         return None
     return h if h is not None and gone(h) is None else None
@@ -162,6 +201,8 @@ class PoolClaim:
             if h is None:
                 break
             line = holder_line(self.pool, h)
+            if "turns" in h:  # runs share it (ray.when_busy=share)
+                line = f"{line}, shared by its runs: ray.when_busy=share joins them"
             if not wait:
                 raise PoolBusy(
                     f"{line}; a second run would disturb it: use another ray.pool_name, or "
@@ -195,6 +236,10 @@ class PoolClaim:
                 "driver stalled; this run stops here (resume it on another ray.pool_name)"
             )
 
+    def turn(self, label: str = "call") -> contextlib.AbstractContextManager[None]:
+        """A run alone on the pool holds it all along (runs sharing one: `SharedClaim`)."""
+        return contextlib.nullcontext()
+
     def release(self) -> None:
         self._stop.set()
         if self.taken_by is None:
@@ -211,6 +256,8 @@ def claim_pool(cfg: Any, say: Any = log.warning) -> PoolClaim:
 
     connect(cfg)
     r = cfg.ray
+    if r.when_busy == "share":
+        raise ValueError("ray.when_busy=share: attach with hybrid_engine.pool.sharing.claim_pool")
     claim = PoolClaim(r.pool_name, f"hybridrl-{r.pool_name}", cfg.trainer.run_id, r.claim_timeout_s)
     claim.take(wait=r.when_busy == "wait", say=say)
     return claim

@@ -3,6 +3,7 @@ batch, wait with the stage's time limit), and the errors a lost worker raises.""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -64,7 +65,8 @@ class WorkerGroup:
         self.pids = [0] * len(handles)  # filled in once the workers answer
         self.limit = StageLimit(cfg.ray.call_timeout_s, "ray.call_timeout_s")
         self.claim: Any = None  # the driver's PoolClaim, when it holds one
-        self.driver = driver_id(cfg.trainer.run_id)  # sent with each call: `Worker.call`
+        # sent with each call (`Worker.call`); per run where runs share the pool
+        self.driver = driver_id(cfg.trainer.run_id, per_run=cfg.ray.when_busy == "share")
 
     @functools.cached_property
     def pad_token_id(self) -> int:
@@ -146,29 +148,38 @@ class WorkerGroup:
         except (RayActorError, GetTimeoutError):
             return False
 
+    def turn(self) -> contextlib.AbstractContextManager[None]:
+        """This run's turn on a shared pool for a call (re-entrant: a stage holds one)."""
+        return self.claim.turn() if self.claim is not None else contextlib.nullcontext()
+
     def call_all(self, role: str, method: str, *args: Any) -> list[Any]:
-        refs = [h.call.remote(role, method, *args, driver=self.driver) for h in self.handles]
-        return self.wait(refs, f"{role}.{method}")
+        with self.turn():
+            refs = [h.call.remote(role, method, *args, driver=self.driver) for h in self.handles]
+            return self.wait(refs, f"{role}.{method}")
 
     def call_split(self, role: str, method: str, batch: Batch, *args: Any) -> Batch:
         parts, pad = split_rows(batch, self.ranks)
-        refs = [
-            h.call.remote(role, method, p, *args, driver=self.driver)
-            for h, p in zip(self.handles, parts, strict=True)
-        ]
-        return gather_rows(self.wait(refs, f"{role}.{method}"), pad, self.pad_token_id)
+        with self.turn():
+            refs = [
+                h.call.remote(role, method, p, *args, driver=self.driver)
+                for h, p in zip(self.handles, parts, strict=True)
+            ]
+            done = self.wait(refs, f"{role}.{method}")
+        return gather_rows(done, pad, self.pad_token_id)
 
     def call_update(self, role: str, method: str, batch: Batch, mini_batch_size: int) -> dict:
         parts = split_for_update(batch, self.ranks, mini_batch_size)
-        refs = [
-            h.call.remote(role, method, p, driver=self.driver)
-            for h, p in zip(self.handles, parts, strict=True)
-        ]
-        return mean_metrics(self.wait(refs, f"{role}.{method}"))
+        with self.turn():
+            refs = [
+                h.call.remote(role, method, p, driver=self.driver)
+                for h, p in zip(self.handles, parts, strict=True)
+            ]
+            return mean_metrics(self.wait(refs, f"{role}.{method}"))
 
     def role_info(self, role: str, what: str) -> dict:
         """Rank 0's report on `role`; PoolTaken when another driver configured it since."""
-        info = self.wait([self.handles[0].info.remote()], what)[0]
+        with self.turn():
+            info = self.wait([self.handles[0].info.remote()], what)[0]
         if (info.get("driver") or {}).get("owner") != self.driver["owner"]:
             raise taken(self.pool_name, f"{self.name}-0", info.get("driver"), self.driver["run"])
         return info[role]

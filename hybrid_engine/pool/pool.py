@@ -43,7 +43,7 @@ from hybrid_engine.pool.cluster import (  # noqa: F401 - part of this module's i
 )
 from hybrid_engine.pool.group import StageLimit, WorkerDiedError, WorkerGroup, WorkerHungError
 from hybrid_engine.pool.proxy import RoleProxy
-from hybrid_engine.pool.worker import RemoteWorker, group_plan, pool_spec
+from hybrid_engine.pool.worker import RemoteWorker, group_plan, pool_spec, shared_spec, spec_diff
 from hybrid_engine.roles.workers import REUSE_FREED_MEMORY_ENV
 
 
@@ -96,12 +96,14 @@ class Pool:
         if not found:
             return None
         wanted = {f"{g}-{r}" for g, (ranks, _) in plan.items() for r in range(ranks)}
-        if found != wanted:
-            raise PoolError(
-                f"pool {name!r} has workers {sorted(found)} but this config needs "
-                f"{sorted(wanted)}; tear it down with `hybridrl pool down --pool {name}` or set "
-                "another ray.pool_name"
-            )
+        share = cfg.ray.when_busy == "share"
+        partial = PoolError(
+            f"pool {name!r} has workers {sorted(found)} but this config needs "
+            f"{sorted(wanted)}; tear it down with `hybridrl pool down --pool {name}` or set "
+            "another ray.pool_name"
+        )
+        if found != wanted and not (share and "actor-0" in found):  # shared: the field first
+            raise partial
         handles = {n: ray.get_actor(n, namespace=ns) for n in sorted(found)}
         try:
             spec = ray.get(handles["actor-0"].get_spec.remote(), timeout=30)
@@ -119,15 +121,17 @@ class Pool:
                 "hung",
             ) from None
         want = pool_spec(cfg)
-        if spec != want:
-            diff = [k for k in want if spec.get(k) != want[k]]
-            detail = "; ".join(
-                f"{k}: pool has {spec.get(k)!r}, config asks {want[k]!r}" for k in diff
-            )
+        if share:  # runs sharing the pool agree on its must-match part; the rest is their own
+            spec, want = shared_spec(spec), shared_spec(want)
+        if diff := spec_diff(spec, want):
+            k, more = diff[0], f"; also {', '.join(diff[1:])}" if diff[1:] else ""
             raise PoolError(
-                f"pool {name!r} was built for another config ({detail}). Tear it down with "
+                f"pool {name!r} was built for another config: {k} differs (pool has "
+                f"{spec.get(k)!r}, config asks {want[k]!r}{more}). Tear it down with "
                 f"`hybridrl pool down --pool {name}` or set another ray.pool_name"
             )
+        if found != wanted:
+            raise partial
         groups = {}
         for g, (ranks, _) in plan.items():
             hs = [handles[f"{g}-{r}"] for r in range(ranks)]
@@ -144,7 +148,10 @@ class Pool:
                     dead[0],
                     "died",
                 )
-            g.wait([h.configure.remote(cfg, g.driver) for h in g.handles], "configure")
+            if share:
+                join(g, cfg)
+            else:
+                g.wait([h.configure.remote(cfg, g.driver) for h in g.handles], "configure")
         return pool
 
     @classmethod
@@ -184,6 +191,8 @@ class Pool:
                 init = g.wait([g.handles[0].address.remote()], "start", r.start_timeout_s)[0]
                 refs = [h.setup.remote(init, threads, g.driver) for h in g.handles]
                 g.pids = [i["pid"] for i in g.wait(refs, "setup", r.start_timeout_s)]
+                if r.when_busy == "share":  # the first run's slot, within ray.max_resident_gb
+                    join(g, cfg)
         except BaseException:
             pool.down(stop_head=False)
             raise
@@ -203,10 +212,17 @@ class Pool:
         return workers | {ray.get_runtime_context().get_node_id()}
 
     def reset(self) -> None:
-        """Fresh weights and optimizers in every worker (a new run on a warm pool)."""
-        for g in self.groups.values():
-            refs = [h.build.remote(g.driver) for h in g.handles]
-            g.wait(refs, "reset", self.cfg.ray.start_timeout_s)
+        """Fresh weights and optimizers in every worker (a new run on a warm pool; on a
+        shared pool, this run's slot only)."""
+        with self.turn("reset"):
+            for g in self.groups.values():
+                refs = [h.build.remote(g.driver) for h in g.handles]
+                g.wait(refs, "reset", self.cfg.ray.start_timeout_s)
+
+    def turn(self, label: str) -> contextlib.AbstractContextManager[None]:
+        """This run's turn on a shared pool (`hybrid_engine.pool.sharing`); a run alone
+        holds the pool all along."""
+        return self.claim.turn(label) if self.claim is not None else contextlib.nullcontext()
 
     def down(self, stop_head: bool = True) -> None:
         down(self.name, stop_head, keep_claim=True)
@@ -216,6 +232,8 @@ class Pool:
         self.claim = claim
         for g in self.groups.values():
             g.claim = claim
+        if hasattr(claim, "bind"):  # a shared pool: its workers swap this run's slot in
+            claim.bind(list(self.groups.values()))
 
     def teardown(self) -> list[str]:
         """Remove a broken pool so the same spec can be created again: its worker processes
@@ -228,6 +246,12 @@ class Pool:
                     if proc.name().startswith("ray::") or "ray" in " ".join(proc.cmdline()[:2]):
                         proc.kill()
         return down(self.name, stop_head=False, keep_claim=True)
+
+
+def join(group: WorkerGroup, cfg: HybridConfig) -> None:
+    """A run sharing the pool gets its slot in each worker of `group` (`pool.slots`)."""
+    bound = cfg.ray.max_resident_gb * 1024**3
+    group.wait([h.join.remote(cfg, group.driver, bound) for h in group.handles], "join")
 
 
 def pool_status(pool_name: str) -> list[dict]:

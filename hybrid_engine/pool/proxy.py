@@ -49,16 +49,20 @@ class RoleProxy:
 
     def publish_weights(self) -> list:
         """The full weights in Ray's object store: `[ref]` (hybrid_engine.pool.replica)."""
-        refs = [h.publish.remote(self.role, driver=self.group.driver) for h in self.group.handles]
-        return self.group.wait(refs, f"{self.role}.publish")[0]
+        with self.group.turn():
+            refs = [
+                h.publish.remote(self.role, driver=self.group.driver) for h in self.group.handles
+            ]
+            return self.group.wait(refs, f"{self.role}.publish")[0]
 
     def receive_weights(self, holder: list, version: int) -> float:
         """Every replica loads the published weights; the slowest one's seconds."""
-        refs = [
-            h.receive.remote(self.role, holder, version, driver=self.group.driver)
-            for h in self.group.handles
-        ]
-        return max(self.group.wait(refs, f"{self.role}.receive"))
+        with self.group.turn():
+            refs = [
+                h.receive.remote(self.role, holder, version, driver=self.group.driver)
+                for h in self.group.handles
+            ]
+            return max(self.group.wait(refs, f"{self.role}.receive"))
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         return self.group.call_update(

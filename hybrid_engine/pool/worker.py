@@ -13,24 +13,28 @@ import torch
 
 from hybrid_engine.config import HybridConfig, import_plugins
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
-from hybrid_engine.pool.claim import PoolTaken, taken
+from hybrid_engine.pool.claim import PoolTaken, driver_line, taken
 from hybrid_engine.pool.cluster import PoolError, _free_port
 from hybrid_engine.pool.placement import RESOURCES_KEY
 from hybrid_engine.pool.replica import RolloutReplica
+from hybrid_engine.pool.slots import Slot, SlotsMixin, resident_bytes
 from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel
 
 
 def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
-    """What a worker is built from; a pool whose spec differs cannot serve `cfg`."""
+    """What a worker is built from; a pool whose spec differs cannot serve `cfg`. The keys
+    of `SHARED` come first: runs sharing a pool (`ray.when_busy=share`) must agree on them;
+    the rest is each run's own, built in its slot of the workers (`pool.slots`)."""
     return {
         "model": cfg.model.model_dump(),
         "actor.layout": cfg.actor.layout.model_dump(),
-        "actor.optim": cfg.actor.optim.model_dump(),
-        "actor.lora": cfg.actor.lora.model_dump(),
+        "placement": cfg.ray.placement,
+        "resources": [cfg.ray.num_cpus_per_rank, cfg.ray.num_gpus_per_rank],
+        "custom_resources": {g: getattr(cfg.ray, k) for g, k in RESOURCES_KEY.items()},
+        "rollout.name": cfg.rollout.name,
         "critic": cfg.use_critic
         and {
             "model_path": cfg.critic.model_path,
-            "optim": cfg.critic.optim.model_dump(),
             "placement": cfg.ray.critic,
             "dp": cfg.ray.critic_dp,
         },
@@ -41,13 +45,36 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
             "dp": cfg.ray.reward_model_dp,
         },
         "rollout_group": cfg.separate_rollout and {"dp": cfg.ray.rollout_dp},
+        # each run's own
+        "actor.optim": cfg.actor.optim.model_dump(),
+        "actor.lora": cfg.actor.lora.model_dump(),
+        "critic.optim": cfg.use_critic and cfg.critic.optim.model_dump(),
         "reference": cfg.use_reference,
-        "rollout.name": cfg.rollout.name,
         "trainer.seed": cfg.trainer.seed,
-        "resources": [cfg.ray.num_cpus_per_rank, cfg.ray.num_gpus_per_rank],
-        "placement": cfg.ray.placement,
-        "custom_resources": {g: getattr(cfg.ray, k) for g, k in RESOURCES_KEY.items()},
     }
+
+
+SHARED = (
+    "model",
+    "actor.layout",
+    "placement",
+    "resources",
+    "custom_resources",
+    "rollout.name",
+    "critic",
+    "reward_model",
+    "rollout_group",
+)
+
+
+def shared_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The part of a pool spec that runs sharing the pool must agree on."""
+    return {k: spec.get(k) for k in SHARED}
+
+
+def spec_diff(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """The keys of `want` whose values `have` does not share, in `pool_spec`'s order."""
+    return [k for k in want if have.get(k) != want[k]]
 
 
 def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
@@ -69,17 +96,21 @@ def group_plan(cfg: HybridConfig) -> dict[str, tuple[int, list[str]]]:
     return {"actor": (cfg.actor.layout.dp, actor_roles), **plan}
 
 
-class Worker:
-    """One process of a group: hosts its roles on one rank. Runs as a detached Ray actor."""
+class Worker(SlotsMixin):
+    """One process of a group: hosts its roles on one rank. Runs as a detached Ray actor.
+    Runs sharing the pool each have a slot of their own here (`pool.slots`)."""
 
     def __init__(self, cfg: HybridConfig, group: str, rank: int, world: int, roles: list[str]):
         self.cfg, self.group, self.rank, self.world = cfg, group, rank, world
         import_plugins(cfg.algorithm.plugins)  # the run's own losses, registered here too
         self.role_names = roles
         self.spec = pool_spec(cfg)
+        self.sharing = cfg.ray.when_busy == "share"  # a run that leaves leaves it empty
         self.roles: dict[str, Any] = {}
         self.error: str | None = None
         self.driver: dict[str, Any] | None = None  # who set it up or configured it last
+        self.slots: dict[str, Slot] = {}  # runs sharing the pool, parked (by owner)
+        self.nbytes = 0  # resident bytes of the active run's roles
 
     def address(self) -> str:
         """Rank 0 hosts the group's rendezvous, on its node's address (not the driver's)."""
@@ -111,6 +142,7 @@ class Worker:
         }
         self.roles = {}  # free the old models first
         self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}
+        self.nbytes = resident_bytes(self.roles)
         self.error = None
 
     def configure(self, cfg: HybridConfig, driver: dict | None = None) -> None:
@@ -118,9 +150,12 @@ class Worker:
         clip ratios, sampling, ...); `pool_spec` guards the rest."""
         if pool_spec(cfg) != self.spec:
             raise PoolError("configure: the pool spec differs")
+        self.slots.clear()  # a run alone on the pool: runs that shared it before are gone
         self.driver = driver
         import_plugins(cfg.algorithm.plugins)
         self.cfg = cfg
+        if not self.roles:  # the last run sharing the pool left it empty
+            self.build(driver)
         for role in self.roles.values():
             role.configure(cfg)
 
@@ -129,6 +164,12 @@ class Worker:
         caller without an id, an older client, is not checked)."""
         if driver is None or (self.driver or {}).get("owner") == driver["owner"]:
             return
+        if driver["owner"] in self.slots:
+            raise PoolTaken(
+                f"pool {self.cfg.ray.pool_name!r}: worker {self.group}-{self.rank} holds "
+                f"{driver_line(self.driver)}'s state now: run {driver['run']} called it "
+                "outside its turn"
+            )
         raise taken(self.cfg.ray.pool_name, f"{self.group}-{self.rank}", self.driver, driver["run"])
 
     def call(self, role: str, method: str, *args: Any, driver: dict | None = None) -> Any:
@@ -180,9 +221,11 @@ class Worker:
             "node_id": ray.get_runtime_context().get_node_id(),
             "rss_gb": mem / 1024**3,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
-            "healthy": bool(self.roles) and self.error is None,
+            "healthy": (bool(self.roles) or bool(self.slots) or self.sharing)
+            and self.error is None,
             "error": self.error,
             "driver": self.driver,
+            "runs": self.runs_info(),
         }
         for name, role in self.roles.items():
             out[name] = role.info()
