@@ -41,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 from hybrid_engine.config import StorageConfig
-from hybrid_engine.models.sharding import NO_SPACE
+from hybrid_engine.errors import NO_SPACE
 from storage.errors import ConditionalWriteError, LeaseHeld, unfit_line
 from storage.faults import fault_point
 from storage.lineage import Lineage

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import errno
 import hashlib
 import json
 import os
@@ -38,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+
+from hybrid_engine.errors import NO_SPACE
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -212,9 +213,6 @@ def _write(url: str, data: bytes, options: dict | None) -> str:
             fs.rm(path)
         raise OSError(e.errno, f"{e.strerror}: writing {url} ({len(data) / 1e6:.1f} MB)") from None
     return hashlib.sha256(data).hexdigest()
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the storage cannot take the object
 
 
 def _read(url: str, options: dict | None, expected: dict[str, str] | None = None) -> bytes:
