@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 from hybrid_engine.config import StorageConfig
 from hybrid_engine.errors import NO_SPACE
+from hybrid_engine.files import pipe, sha256
 from storage.errors import ConditionalWriteError, LeaseHeld, unfit_line
 from storage.faults import fault_point
 from storage.lineage import Lineage
@@ -136,10 +136,6 @@ def check_reach(cfg: StorageConfig, nodes: set[str]) -> None:
     )
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 @dataclass
 class Stage:
     """A committed stage: its output batch (None for stages that only hold metrics) and meta."""
@@ -209,15 +205,7 @@ class RunStore:
                             ) from None
                         raise
                     return sha256(data)
-            try:
-                self.fs.pipe_file(path, data)
-            except OSError as e:
-                if e.errno not in NO_SPACE:
-                    raise
-                with contextlib.suppress(OSError):  # a partial object would only hold space
-                    self.fs.rm(path)
-                raise OSError(e.errno, f"{e.strerror}: writing {self.uri(rel)}") from None
-        return sha256(data)
+            return pipe(self.fs, path, data, self.uri(rel))
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write an object only if none exists there (locally a hard link, which fails where
