@@ -152,6 +152,14 @@ def test_tasks_flows_and_storage_do_not_reach_into_the_pool_or_models():
     assert not bad, "through hybrid_engine.errors / export instead: " + "; ".join(bad)
 
 
+def test_the_data_side_imports_nothing_of_rollout():
+    """Prompt rows (`data.py`, `verifiers_data.py`) sit below the rollout that reads them."""
+    edges, _ = graph()
+    data = ("hybrid_engine.data", "hybrid_engine.verifiers_data")
+    bad = [f"{a} -> {b}" for a in data for b in sorted(edges[a]) if "rollout" in b]
+    assert not bad, "; ".join(bad)
+
+
 def test_the_engine_knows_nothing_of_prefect_mlflow_or_s3():
     _, external = graph()
     bad = [
