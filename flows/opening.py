@@ -293,7 +293,6 @@ def materialize_start(store: RunStore, cfg: HybridConfig) -> None:
     version = store.lineage.doc.get("materialize")
     if version is None or any(c >= version for c in store.checkpoints(own=True)):
         return
-    from flows.opening import parent_config
     from tasks.replay import materialize
 
     began = time.perf_counter()

@@ -8,7 +8,7 @@ import contextlib
 from typing import Any
 
 from hybrid_engine.engine import Engine
-from hybrid_engine.pool.group import CallsAbandoned
+from hybrid_engine.errors import CallsAbandoned
 from hybrid_engine.staleness import rollout_version
 from storage.store import RunStore
 

@@ -37,7 +37,7 @@ from flows.scheduler import RolloutsAhead
 from flows.tracking import StepLog
 from hybrid_engine.config import HybridConfig, redact
 from hybrid_engine.engine import Engine
-from hybrid_engine.pool.group import WorkerLostError
+from hybrid_engine.errors import WorkerLostError
 from storage.faults import fault_point
 from storage.lease import RunLease
 from storage.store import RunStore, check_reach

@@ -23,9 +23,9 @@ from transformers import PreTrainedTokenizerBase
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import DataConfig
+from hybrid_engine.verifiers_data import PREFIX as VF_PREFIX
 
 RG_PREFIX = "reasoning_gym:"
-VF_PREFIX = "verifiers:"  # a verifiers environment's dataset (`rollout.agent.verifiers_env`)
 
 
 def _json_safe(x: Any) -> Any:
@@ -103,7 +103,7 @@ def load_rows(
             task, size, seed, cfg.task_config, cfg.system_prompt, cfg.prompt_suffix
         )
     if source.startswith(VF_PREFIX):  # the [verifiers] extra
-        from hybrid_engine.rollout.agent.verifiers_env import verifiers_rows
+        from hybrid_engine.verifiers_data import verifiers_rows
 
         return verifiers_rows(source.removeprefix(VF_PREFIX), size, seed, cfg.task_config, split)
     return file_rows(source)

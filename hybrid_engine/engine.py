@@ -429,7 +429,7 @@ class Engine:
         if self.pool is not None:  # each worker's memory, as `hybridrl pool status` shows it
             for w in self.pool.status():
                 if "rss_gb" not in w:  # it died since its part of the update returned
-                    from hybrid_engine.pool.group import WorkerDiedError
+                    from hybrid_engine.errors import WorkerDiedError
 
                     raise WorkerDiedError(
                         f"update: worker {w['name']} of pool "
@@ -445,7 +445,7 @@ class Engine:
 
     def export(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
         """The current policy as a plain HF module in this process (for saving), and with
-        LoRA the full state dict whose adapter tensors `lora.adapter_files` writes (the
+        LoRA the full state dict whose adapter tensors `export.adapter_files` writes (the
         module then holds the adapters merged into the base weights)."""
         lora = self.cfg.actor.lora
         if self.pool is None and not lora.rank:

@@ -13,7 +13,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hybrid_engine.config import HybridConfig, redact
-from hybrid_engine.models.lora import adapter_files, lora_config
+from hybrid_engine.export import adapter_files
 from storage.store import RunStore
 
 FINAL = "final"
@@ -65,10 +65,7 @@ def save_final(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if adapter_state is not None:
-            lora = cfg.actor.lora
-            config = lora_config(lora)
-            config.base_model_name_or_path = cfg.model.path
-            adapter_files(f"{tmp}/adapter", adapter_state, config)
+            adapter_files(f"{tmp}/adapter", adapter_state, cfg.actor.lora, cfg.model.path)
         with open(f"{tmp}/summary.json", "w") as f:
             json.dump(summary, f, indent=2, sort_keys=True)
         files = store.put_dir(tmp, FINAL)

@@ -83,7 +83,7 @@ def step_stages(store: RunStore, step: int) -> list[str]:
     """The stage directories of step N that the run holds, its own or inherited."""
     names = set()
     try:
-        for p in store.fs.ls(store._p(f"steps/{step}"), detail=False):
+        for p in store.fs.ls(store.fs_path(f"steps/{step}"), detail=False):
             names.add(p.rstrip("/").rsplit("/", 1)[-1])
     except FileNotFoundError:
         pass

@@ -41,7 +41,7 @@ def used_by_forks(store: RunStore, forks: dict[str, dict[str, Any]]) -> dict[str
         dirs = [store.checkpoint_dir(int(c)) for c in lin["checkpoints"]]
         for step in lin["steps"]:
             try:
-                names = store.fs.ls(store._p(f"steps/{step}"), detail=False)
+                names = store.fs.ls(store.fs_path(f"steps/{step}"), detail=False)
             except FileNotFoundError:
                 names = []
             for p in names:
@@ -55,14 +55,14 @@ def used_by_forks(store: RunStore, forks: dict[str, dict[str, Any]]) -> dict[str
 
 def _size(store: RunStore, rel: str) -> int:
     try:
-        return int(store.fs.du(store._p(rel), total=True))
+        return int(store.fs.du(store.fs_path(rel), total=True))
     except FileNotFoundError:
         return 0
 
 
 def _step_dirs(store: RunStore) -> set[str]:
     try:
-        subs = store.fs.ls(store._p("steps"), detail=False)
+        subs = store.fs.ls(store.fs_path("steps"), detail=False)
     except FileNotFoundError:
         return set()
     return {f"steps/{p.rstrip('/').rsplit('/', 1)[-1]}" for p in subs}
@@ -73,7 +73,7 @@ def _object_dirs(store: RunStore) -> list[str]:
     out = []
     for top in ("steps", "checkpoints"):
         try:
-            subs = store.fs.ls(store._p(top), detail=False)
+            subs = store.fs.ls(store.fs_path(top), detail=False)
         except FileNotFoundError:
             continue
         for sub in subs:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -41,7 +40,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from hybrid_engine.batch import JSON_FILE, TENSORS_FILE, Batch
 from hybrid_engine.config import StorageConfig
-from hybrid_engine.models.sharding import NO_SPACE
+from hybrid_engine.errors import NO_SPACE
+from hybrid_engine.files import pipe, sha256
 from storage.errors import ConditionalWriteError, LeaseHeld, unfit_line
 from storage.faults import fault_point
 from storage.lineage import Lineage
@@ -136,10 +136,6 @@ def check_reach(cfg: StorageConfig, nodes: set[str]) -> None:
     )
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 @dataclass
 class Stage:
     """A committed stage: its output batch (None for stages that only hold metrics) and meta."""
@@ -182,7 +178,8 @@ class RunStore:
     def uri(self, rel: str) -> str:
         return f"{self.url}/{rel}"
 
-    def _p(self, rel: str) -> str:
+    def fs_path(self, rel: str) -> str:
+        """`rel` as a path on the store's filesystem (`self.fs`), for listing and sizes."""
         return f"{self.path}/{rel}"
 
     def put(self, rel: str, data: bytes, atomic: bool = False) -> str:
@@ -190,7 +187,7 @@ class RunStore:
         (an S3 PUT is all or nothing): write a temporary file, then rename it; a failed
         write (a full disk) leaves no temporary file. A SIGTERM waits for the write."""
         self._writing(rel)
-        path = self._p(rel)
+        path = self.fs_path(rel)
         with critical():
             if self.local:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -209,22 +206,14 @@ class RunStore:
                             ) from None
                         raise
                     return sha256(data)
-            try:
-                self.fs.pipe_file(path, data)
-            except OSError as e:
-                if e.errno not in NO_SPACE:
-                    raise
-                with contextlib.suppress(OSError):  # a partial object would only hold space
-                    self.fs.rm(path)
-                raise OSError(e.errno, f"{e.strerror}: writing {self.uri(rel)}") from None
-        return sha256(data)
+            return pipe(self.fs, path, data, self.uri(rel))
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write an object only if none exists there (locally a hard link, which fails where
         a file exists; on S3 a PUT with `If-None-Match: *`): False when one does. Of two
         writers racing, one gets True."""
         self._writing(rel)
-        path = self._p(rel)
+        path = self.fs_path(rel)
         if self.cfg.single_driver:  # no conditional create: one driver, by declaration
             if self.exists(rel):
                 return False
@@ -257,16 +246,16 @@ class RunStore:
         try:
             return [
                 p.rstrip("/").rsplit("/", 1)[-1]
-                for p in self.fs.ls(self._p(rel_dir), detail=False, refresh=True)
+                for p in self.fs.ls(self.fs_path(rel_dir), detail=False, refresh=True)
             ]
         except FileNotFoundError:
             return []
 
     def get(self, rel: str) -> bytes:
-        return self.fs.cat_file(self._p(rel))
+        return self.fs.cat_file(self.fs_path(rel))
 
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self._p(rel))
+        return self.fs.exists(self.fs_path(rel))
 
     def get_json(self, rel: str) -> dict[str, Any] | None:
         try:
@@ -281,8 +270,8 @@ class RunStore:
     def remove(self, rel: str) -> None:
         self._writing(rel)
         with critical():
-            if self.fs.exists(self._p(rel)):
-                self.fs.rm(self._p(rel), recursive=True)
+            if self.fs.exists(self.fs_path(rel)):
+                self.fs.rm(self.fs_path(rel), recursive=True)
 
     # ------------------------------------------------------------- commits
     def commit(self, rel_dir: str, files: dict[str, str], meta: dict[str, Any]) -> str:
@@ -407,7 +396,7 @@ class RunStore:
     def checkpoints(self, own: bool = False) -> list[int]:
         """Steps with a committed checkpoint, oldest first (with `own`, a fork's own only)."""
         try:
-            names = self.fs.ls(self._p("checkpoints"), detail=False)
+            names = self.fs.ls(self.fs_path("checkpoints"), detail=False)
         except FileNotFoundError:
             names = []
         steps = set()
@@ -483,9 +472,9 @@ class RunStore:
         """A local directory with the files under `rel`: the directory itself on a local
         disk, else a copy made under `scratch`."""
         if self.local:
-            return self._p(rel)
+            return self.fs_path(rel)
         target = os.path.join(scratch, rel)
-        self.fs.get(self._p(rel) + "/", target + "/", recursive=True)
+        self.fs.get(self.fs_path(rel) + "/", target + "/", recursive=True)
         return target
 
     def put_dir(self, local_dir: str, rel: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from hybrid_engine.engine import Engine
-from hybrid_engine.models.sharding import CorruptObject
+from hybrid_engine.files import CorruptObject
 from storage.final import FINAL, history, save_final
 from storage.store import MARKER, RunStore, storage_options
 from tasks.recovery import CLOCK

@@ -32,7 +32,7 @@ import psutil
 from hybrid_engine import STAGES
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.engine import Engine
-from hybrid_engine.pool.group import STOPPING, WorkerLostError
+from hybrid_engine.errors import STOPPING, WorkerLostError
 from storage.store import RunStore, critical
 
 log = logging.getLogger("hybridrl.recovery")

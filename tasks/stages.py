@@ -29,7 +29,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from hybrid_engine.engine import Engine
-from hybrid_engine.pool.group import WorkerLostError
+from hybrid_engine.errors import WorkerLostError
 from hybrid_engine.step_metrics import finish_step, peak_rss_gb
 from storage.faults import fault_batch, fault_point
 from storage.store import RunStore

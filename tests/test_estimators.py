@@ -7,13 +7,12 @@ from hand import T, close
 
 from hybrid_engine.algorithms.advantages import (
     compute_advantage,
-    estimator_needs,
     gpg,
     grpo_passk,
     opo,
     reinforce_plus_plus_baseline,
 )
-from hybrid_engine.registry import ADV_ESTIMATORS
+from hybrid_engine.registry import ADV_ESTIMATORS, estimator_needs
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 

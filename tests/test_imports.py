@@ -5,7 +5,16 @@ no circle, and every edge points down the layers
 
 Within the engine, `config/` and `algorithms/` import only the foundation
 (`hybrid_engine/__init__`, `registry`, `specs`, `bands`): algorithms take plain values. The engine imports nothing of
-Prefect, MLflow or S3. A failure names the edge."""
+Prefect, MLflow or S3. A failure names the edge.
+
+The engine's errors and constants (`WorkerLostError`, `STOPPING`, `CallsAbandoned`,
+`NO_SPACE`) live in `hybrid_engine.errors`, so:
+- `tasks/` imports nothing of `hybrid_engine.pool`;
+- `flows/` only where it manages the pool itself: the command line's `pool` and `cluster`
+  commands (`flows/cli/main.py`, `flows/cli/cluster.py`) and the train flow's claim on the
+  pool and its `pool.down` when the run owns it (`flows/train.py`), listed in `POOL_USERS`;
+- `storage/` imports nothing of `hybrid_engine.models` (a final policy's LoRA adapter is
+  written by `hybrid_engine.export`)."""
 
 import ast
 import subprocess
@@ -26,6 +35,11 @@ FOUNDATION = {
     "hybrid_engine.bands",
 }
 NOT_IN_ENGINE = ("prefect", "mlflow", "s3fs")
+POOL_USERS = {
+    "flows.cli.main": {"hybrid_engine.pool.pool", "hybrid_engine.pool.claim"},
+    "flows.cli.cluster": {"hybrid_engine.pool.pool", "hybrid_engine.pool.cluster"},
+    "flows.train": {"hybrid_engine.pool.pool", "hybrid_engine.pool.claim"},
+}
 
 
 def modules() -> dict[str, Path]:
@@ -96,6 +110,14 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def reaches_in(source: str, target: str) -> bool:
+    """An edge into the engine's pool or models from a layer that must not use them."""
+    if target.startswith("hybrid_engine.pool"):
+        top = source.split(".")[0]
+        return top in ("tasks", "flows") and target not in POOL_USERS.get(source, set())
+    return source.startswith("storage") and target.startswith("hybrid_engine.models")
+
+
 def upward(source: str, target: str) -> bool:
     if LAYER[target.split(".")[0]] > LAYER[source.split(".")[0]]:
         return True
@@ -124,6 +146,20 @@ def test_imports_point_down_the_layers():
     assert not bad, "upward imports: " + "; ".join(bad)
 
 
+def test_tasks_flows_and_storage_do_not_reach_into_the_pool_or_models():
+    edges, _ = graph()
+    bad = [f"{a} -> {b}" for a in sorted(edges) for b in sorted(edges[a]) if reaches_in(a, b)]
+    assert not bad, "through hybrid_engine.errors / export instead: " + "; ".join(bad)
+
+
+def test_the_data_side_imports_nothing_of_rollout():
+    """Prompt rows (`data.py`, `verifiers_data.py`) sit below the rollout that reads them."""
+    edges, _ = graph()
+    data = ("hybrid_engine.data", "hybrid_engine.verifiers_data")
+    bad = [f"{a} -> {b}" for a in data for b in sorted(edges[a]) if "rollout" in b]
+    assert not bad, "; ".join(bad)
+
+
 def test_the_engine_knows_nothing_of_prefect_mlflow_or_s3():
     _, external = graph()
     bad = [
@@ -145,6 +181,12 @@ def test_the_checks_see_a_planted_circle_and_an_upward_edge():
     assert upward("hybrid_engine.algorithms.kl", "hybrid_engine.config")
     assert not upward("hybrid_engine.algorithms.correction", "hybrid_engine.bands")
     assert not upward("flows.train", "hybrid_engine.engine")
+    assert reaches_in("tasks.recovery", "hybrid_engine.pool.group")
+    assert reaches_in("flows.scheduler", "hybrid_engine.pool.group")
+    assert reaches_in("flows.train", "hybrid_engine.pool.group")
+    assert reaches_in("storage.store", "hybrid_engine.models.sharding")
+    assert not reaches_in("flows.cli.cluster", "hybrid_engine.pool.cluster")
+    assert not reaches_in("tasks.recovery", "hybrid_engine.errors")
 
 
 def test_loading_a_config_imports_no_torch_ray_prefect_or_mlflow():

@@ -10,9 +10,9 @@ from test_engine import SIGNAL, params
 
 from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine
+from hybrid_engine.export import adapter_files
 from hybrid_engine.models.loading import load_policy
 from hybrid_engine.models.logprobs import response_log_probs
-from hybrid_engine.models.lora import adapter_files, lora_config
 
 LORA = [SIGNAL, "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optim.lr=1e-2"]
 
@@ -78,8 +78,7 @@ def test_export_merges_the_adapters_and_writes_peft_files(tmp_path):
     )
     merged, _ = response_log_probs(model, batch["input_ids"], batch["attention_mask"], n)
     torch.testing.assert_close(merged, live, atol=1e-5, rtol=0)
-    lora = engine.cfg.actor.lora
-    adapter_files(str(tmp_path), state, lora_config(lora))
+    adapter_files(str(tmp_path), state, engine.cfg.actor.lora)
     base = load_policy(engine.cfg.model, engine.tokenizer, engine.cfg.trainer.seed)
     peft_model = PeftModel.from_pretrained(base, str(tmp_path))
     again, _ = response_log_probs(

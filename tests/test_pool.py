@@ -222,7 +222,7 @@ def test_state_round_trip_resumes_exactly_and_across_layouts(tmp_path):
 
 
 def test_dead_worker_is_named_and_the_pool_is_rebuilt_from_saved_state(tmp_path):
-    from hybrid_engine.pool.group import WorkerDiedError
+    from hybrid_engine.errors import WorkerDiedError
 
     engine = Engine(cfg("dead", "actor.layout.dp=2"))
     engine.step(1)

@@ -6,7 +6,7 @@ under ``torch.no_grad()``, returns float tensors shaped like the rewards and zer
 at masked-out positions.
 
 Estimators are registered by name; ``compute_advantage(name, ...)`` calls one with just the
-inputs its signature asks for, and ``estimator_needs(name)`` reads from that signature what
+inputs its signature asks for, and ``hybrid_engine.registry.estimator_needs(name)`` reads from that signature what
 the engine must provide (a critic, prompt groups, a greedy baseline).
 
 Outcome scores are s_i = sum_t r_t mask_t. verl 0.9 sums every position; the pipeline's
@@ -21,20 +21,16 @@ from typing import Any
 
 import torch
 
-from hybrid_engine.algorithms.utils import masked_mean, masked_var, masked_whiten
-from hybrid_engine.registry import ADV_ESTIMATORS, ESTIMATOR_INPUTS, estimator_needs
+from hybrid_engine.algorithms.utils import masked_whiten
+from hybrid_engine.registry import ADV_ESTIMATORS, ESTIMATOR_INPUTS
 
 __all__ = [
     "compute_advantage",
-    "estimator_needs",
     "gae",
     "get_adv_estimator",
     "gpg",
     "grpo",
     "grpo_passk",
-    "masked_mean",
-    "masked_var",
-    "masked_whiten",
     "opo",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",

@@ -8,20 +8,17 @@ doubles as the reference policy: `adapters_disabled` switches the adapters off f
 pass, so KL to the reference needs no second copy of the weights. Only the adapters are
 trainable, so the optimizer state and checkpoints hold only them (the base is rebuilt from
 `model.path`). For export, `merged_state_dict` folds the adapters into the base weights under
-the plain model's names, and `adapter_files` writes the adapter as peft saves it
-(`PeftModel.from_pretrained(base, dir)` loads it back).
+the plain model's names (`hybrid_engine.export.adapter_files` writes the adapter alone).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors.torch import save_file
 from torch import nn
 
 from hybrid_engine.config.training import LoraSettings
@@ -85,17 +82,3 @@ def merged_state_dict(full: dict[str, torch.Tensor], config: LoraConfig) -> dict
             value = value + (b.float() @ a.float()).to(value.dtype) * scale
         out[name] = value
     return out
-
-
-def adapter_files(directory: str, model_state: dict[str, torch.Tensor], config: LoraConfig) -> None:
-    """`adapter_config.json` + `adapter_model.safetensors` as `PeftModel.save_pretrained`
-    writes them, from the adapter tensors of a full state dict (renamed as peft names them:
-    a `base_model.model.` prefix, no adapter name)."""
-    os.makedirs(directory, exist_ok=True)
-    config.save_pretrained(directory)
-    tensors = {
-        f"base_model.model.{k.replace(f'.{ADAPTER}.', '.')}": v.contiguous()
-        for k, v in model_state.items()
-        if ".lora_" in k
-    }
-    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))

@@ -9,23 +9,20 @@
   tensors are dropped again (`separate_copy` keeps them, the baseline that bench/memory.py
   compares against).
 - `engine_weights` gives an engine in another process (vLLM) full weights as numpy arrays.
-- `save_state` / `load_state` write and read a role's weights (full, safetensors), optimizer
-  and scheduler state, and RNG state at an fsspec URL. The files do not depend on the number
-  of ranks: a state saved with 2 ranks loads into 1.
+- `save_state` / `load_state` lay out a role's weights (full, safetensors), optimizer and
+  scheduler state, and RNG state, written and read at an fsspec URL through
+  `hybrid_engine.files`. The files do not depend on the number of ranks: a state saved with
+  2 ranks loads into 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import errno
-import hashlib
 import json
-import os
 import time
 from datetime import timedelta
 
-import fsspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -38,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+
+from hybrid_engine.files import read_object, write_object
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -195,38 +194,6 @@ def _dedup(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
     return out, aliases
 
 
-class CorruptObject(ValueError):
-    """A stored object whose bytes do not match the sha256 recorded when it was written."""
-
-
-def _write(url: str, data: bytes, options: dict | None) -> str:
-    """Write `data` to `url` (any fsspec URL); returns its sha256."""
-    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
-    fs.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        fs.pipe_file(path, data)
-    except OSError as e:
-        if e.errno not in NO_SPACE:
-            raise
-        with contextlib.suppress(OSError):  # a partial object would only hold space
-            fs.rm(path)
-        raise OSError(e.errno, f"{e.strerror}: writing {url} ({len(data) / 1e6:.1f} MB)") from None
-    return hashlib.sha256(data).hexdigest()
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the storage cannot take the object
-
-
-def _read(url: str, options: dict | None, expected: dict[str, str] | None = None) -> bytes:
-    """Read `url`; with `expected` (file name -> sha256) the bytes must match."""
-    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
-    data = fs.cat_file(path)
-    name = url.rsplit("/", 1)[-1]
-    if expected is not None and expected.get(name) != hashlib.sha256(data).hexdigest():
-        raise CorruptObject(f"{url}: sha256 differs from the one recorded at save")
-    return data
-
-
 def save_state(
     url: str,
     model: nn.Module,
@@ -246,7 +213,7 @@ def save_state(
     optim = full_optimizer_state(model, optimizer) if optimizer else None
 
     def write(name: str, data: bytes) -> None:
-        written[name] = _write(f"{url}/{name}", data, storage_options)
+        written[name] = write_object(f"{url}/{name}", data, storage_options)
 
     written: dict[str, str] = {}
     write(f"rng_rank{rank}.safetensors", st_save({"torch": torch.get_rng_state()}))
@@ -302,7 +269,7 @@ def load_state(
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def read(name: str) -> bytes:
-        return _read(f"{url}/{name}", storage_options, expected)
+        return read_object(f"{url}/{name}", storage_options, expected)
 
     doc = json.loads(read("state.json"))
     weights = st_load(read("model.safetensors"))

@@ -34,13 +34,10 @@ from ray._private.services import node_ip_address_from_perspective
 
 from hybrid_engine import RAY_ENV
 from hybrid_engine.config import HybridConfig
+from hybrid_engine.errors import PoolError
 from hybrid_engine.models.loading import cache_dir
 
 log = logging.getLogger("hybridrl.pool")
-
-
-class PoolError(RuntimeError):
-    """The pool cannot serve the request (mismatch, missing or dead worker, timeout)."""
 
 
 # ---------------------------------------------------------------------- the local head

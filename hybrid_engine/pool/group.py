@@ -1,5 +1,6 @@
 """A worker group: the ranks of one role group of the pool, called together (split / gather the
-batch, wait with the stage's time limit), and the errors a lost worker raises."""
+batch, wait with the stage's time limit); the errors a lost worker raises live in
+`hybrid_engine.errors`."""
 
 from __future__ import annotations
 
@@ -14,37 +15,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
+from hybrid_engine.errors import STOPPING, CallsAbandoned, WorkerDiedError, WorkerHungError
 from hybrid_engine.models.loading import load_tokenizer
 from hybrid_engine.pool.claim import driver_id, taken
-from hybrid_engine.pool.cluster import PoolError
 from hybrid_engine.pool.dispatch import gather_rows, mean_metrics, split_for_update, split_rows
-
-
-class WorkerLostError(PoolError):
-    """A worker is gone or stopped answering: the pool must be re-created (the flow's
-    recovery does that by itself, `pipeline.max_recoveries` times)."""
-
-    def __init__(self, message: str, worker: str, how: str) -> None:
-        super().__init__(message)
-        self.worker, self.how = worker, how  # e.g. "actor-1", "died" | "hung"
-        self.where: tuple[str, int] | None = None  # the stage task it ended ("step-3/rollout", 3)
-
-
-class WorkerDiedError(WorkerLostError):
-    """A worker process is gone; the message names it."""
-
-
-class WorkerHungError(WorkerLostError):
-    """A worker did not answer within the stage's time limit (stopped, deadlocked, or a
-    peer of a dead rank waiting in a collective)."""
-
-
-class CallsAbandoned(BaseException):  # noqa: N818 - a stop, like KeyboardInterrupt
-    """The driver is stopping (SIGTERM): a call waited for off the main thread (a rollout
-    running beside the update) gives up instead of holding the driver until it ends."""
-
-
-STOPPING = threading.Event()  # set by the driver's SIGTERM handler (tasks.recovery)
 
 
 # ---------------------------------------------------------------------- worker groups

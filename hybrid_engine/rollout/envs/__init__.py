@@ -11,7 +11,6 @@ from hybrid_engine.rollout.envs.base import (
     environment_class,
     register_environment,
 )
-from hybrid_engine.rollout.envs.base import make_environment as _make_registered
 from hybrid_engine.rollout.envs.feedback import FeedbackEnv
 from hybrid_engine.rollout.envs.tools import CalculatorEnv, ToolEnvironment
 
@@ -37,4 +36,9 @@ def make_environment(spec: str, kwargs: dict[str, Any]) -> Environment:
         from hybrid_engine.rollout.envs.openenv_env import OpenEnvEnvironment
 
         return OpenEnvEnvironment(spec.removeprefix("openenv:"), **kwargs)
-    return _make_registered(spec, kwargs)
+    try:
+        return environment_class(spec)(**kwargs)
+    except TypeError as e:
+        raise ValueError(
+            f"rollout.multi_turn.env_kwargs={kwargs!r} rejected by environment {spec!r}: {e}"
+        ) from None

@@ -56,13 +56,3 @@ def environment_class(spec: str) -> type[Environment]:
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise ValueError(f"environment {spec!r} is not a class with reset and step")
     return cls
-
-
-def make_environment(spec: str, kwargs: dict[str, Any]) -> Environment:
-    """A new environment (one per trajectory)."""
-    try:
-        return environment_class(spec)(**kwargs)
-    except TypeError as e:
-        raise ValueError(
-            f"rollout.multi_turn.env_kwargs={kwargs!r} rejected by environment {spec!r}: {e}"
-        ) from None
