@@ -178,17 +178,17 @@ class Engine:
             first_gen_batch, prior = self.next_gen_batch, self.kept_of_prompts
         batch = dynamic_rollout(
             lambda g, n: self.reward(self.rollout(step, g, on_turn, n_prompts=n)),
-            first_gen_batch,
-            cfg.data.train_batch_size,
-            fg.metric,
-            fg.max_num_gen_batches,
-            fg.on_exhausted,
-            self.tokenizer.pad_token_id,
-            fg.adaptive_rounds,
-            max(cfg.data.train_batch_size, cfg.rollout.micro_batch_size // cfg.rollout.n),
-            load,
-            save,
-            prior,
+            first_gen_batch=first_gen_batch,
+            groups=cfg.data.train_batch_size,
+            metric=fg.metric,
+            max_num_gen_batches=fg.max_num_gen_batches,
+            on_exhausted=fg.on_exhausted,
+            pad_token_id=self.tokenizer.pad_token_id,
+            adaptive=fg.adaptive_rounds,
+            cap=max(cfg.data.train_batch_size, cfg.rollout.micro_batch_size // cfg.rollout.n),
+            load=load,
+            save=save,
+            prior=prior,
         )
         self.next_gen_batch = batch.meta["next_gen_batch"]
         self.kept_of_prompts = batch.meta["kept_of_prompts"]

@@ -115,6 +115,7 @@ def ppo_updates(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     batch: Batch,
     loss_fn: Callable[[Batch, Batch, int], tuple[LossParts, dict[str, torch.Tensor]]],
+    *,
     prefix: str,
     epochs: int,
     mini_batch_size: int,

@@ -242,15 +242,15 @@ class ActorRolloutRef:
                 logp,
                 micro["advantages"][:, :keep],
                 mask,
-                a.clip_ratio_low,
-                a.clip_ratio_high,
-                a.clip_ratio_c,
-                pg_mode,
-                a.policy_loss.mode,
-                None if is_weights is None else is_weights[:, :keep],
-                a.policy_loss.tau_pos,
-                a.policy_loss.tau_neg,
-                scale,
+                clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high,
+                clip_ratio_c=a.clip_ratio_c,
+                loss_agg_mode=pg_mode,
+                loss_mode=a.policy_loss.mode,
+                rollout_is_weights=None if is_weights is None else is_weights[:, :keep],
+                tau_pos=a.policy_loss.tau_pos,
+                tau_neg=a.policy_loss.tau_neg,
+                loss_scale_factor=scale,
             )
             low, high = band_clip_fractions(
                 old, logp, micro["advantages"][:, :keep], mask, a.clip_ratio_low, a.clip_ratio_high
@@ -281,12 +281,12 @@ class ActorRolloutRef:
                 self.scheduler,
                 batch,
                 loss_fn,
-                "actor",
-                a.ppo_epochs,
-                a.ppo_mini_batch_size // world_size(),
-                a.ppo_micro_batch_size,
-                a.optim.grad_clip,
-                a.skip_nonfinite_steps,
+                prefix="actor",
+                epochs=a.ppo_epochs,
+                mini_batch_size=a.ppo_mini_batch_size // world_size(),
+                micro_batch_size=a.ppo_micro_batch_size,
+                grad_clip=a.optim.grad_clip,
+                skip_nonfinite=a.skip_nonfinite_steps,
             )
         except NonFiniteUpdate as e:
             step = self.weights_version + 1
@@ -431,12 +431,12 @@ class Critic:
             self.scheduler,
             batch,
             loss_fn,
-            "critic",
-            c.ppo_epochs,
-            c.ppo_mini_batch_size // world_size(),
-            c.ppo_micro_batch_size,
-            c.optim.grad_clip,
-            c.skip_nonfinite_steps,
+            prefix="critic",
+            epochs=c.ppo_epochs,
+            mini_batch_size=c.ppo_mini_batch_size // world_size(),
+            micro_batch_size=c.ppo_micro_batch_size,
+            grad_clip=c.optim.grad_clip,
+            skip_nonfinite=c.skip_nonfinite_steps,
         )
 
     def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:

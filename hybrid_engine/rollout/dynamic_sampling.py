@@ -130,6 +130,7 @@ def round_prompts(
 
 def dynamic_rollout(
     generate: Callable[[int, int], Batch],
+    *,
     first_gen_batch: int,
     groups: int,
     metric: str,
