@@ -212,6 +212,10 @@ class PoolClaim:
                 say(f"{line}: waiting for it (ray.when_busy=wait)")
                 said = time.monotonic()
             time.sleep(2)
+        self.keep_renewing()
+
+    def keep_renewing(self) -> None:
+        """Renew from a thread every `timeout_s / 4` (started once; again after `release`)."""
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._renew, name="pool-claim", daemon=True)

@@ -68,10 +68,7 @@ class SharedClaim(PoolClaim):
         )
         if line is not None:
             raise PoolBusy(f"pool {self.pool!r} {line}")
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._renew, name="pool-claim", daemon=True)
-            self._thread.start()
+        self.keep_renewing()
 
     def _renew(self) -> None:
         while not self._stop.wait(self.timeout_s / 4):
