@@ -68,7 +68,8 @@ def serve_class(path: str, timeout_s: float = 60.0) -> str:
         )
         thread.start()
         deadline = time.monotonic() + timeout_s
-        while not server.started:
+        # the deadline is read before `started`, so a start first seen late counts as late
+        while not (time.monotonic() < deadline and server.started):
             if not thread.is_alive():
                 raise RuntimeError(
                     f"{PREFIX}{path}: the in-process OpenEnv server stopped before it started "
