@@ -29,8 +29,9 @@ from unittest.mock import patch
 
 ROOT = Path(__file__).parents[1]
 # the server's imports, in this order (hybrid_engine and tasks set Ray's and Prefect's
-# environment defaults before those are imported): what a driver imports before its flow
-PRELOAD = ["hybrid_engine", "tasks", "flows.cli", "flows.train", "mlflow", "s3fs"]
+# environment defaults before those are imported; ray is named, as no module above imports
+# it at the top, so that it reads RAY_ here, as FIXED says): what a driver imports first
+PRELOAD = ["hybrid_engine", "ray", "tasks", "flows.cli", "flows.train", "mlflow", "s3fs"]
 FIXED = ("PREFECT_", "RAY_")  # environment read at import: a forked driver cannot change it
 _lock = threading.Lock()
 _server: tuple[multiprocessing.context.BaseContext, dict[str, str]] | None = None
