@@ -1,5 +1,6 @@
 """Runs sharing one pool (`ray.when_busy=share`) on a real local head, driven from this
-process: each run has its own slot in the workers (weights, optimizer, RNG), so two runs of
+process: each run has its own slot in the workers (weights, optimizer, RNG; two FSDP
+ranks), so two runs of
 different seeds whose steps interleave end with exactly the weights of each run alone; a
 run is refused at attach for a must-match field, past ray.max_runs and past
 ray.max_resident_gb; a run that detaches frees its slot."""
@@ -22,6 +23,7 @@ BASE = [
     "trainer.backend=ray",
     "rollout.micro_batch_size=8",
     "rollout.continuous_batching=false",
+    "actor.layout.dp=2",  # two FSDP ranks: each run's sharded model in its own slot
     "ray.call_timeout_s=120",
 ]
 
@@ -85,10 +87,12 @@ def test_two_runs_interleaved_on_one_pool_each_end_as_they_would_alone():
         got = engine.actor.full_state_dict()
         for k, v in solo[seed].items():
             assert torch.equal(got[k], v), f"seed {seed}: {k} differs from the run alone"
-    (worker,) = a.pool.status()
-    runs = {r["run"]: r for r in worker["runs"]}
-    assert set(runs) == {"a", "b"} and sum(r["active"] for r in runs.values()) == 1
-    assert all(r["resident_gb"] > 0 for r in runs.values())
+    workers = a.pool.status()
+    assert [w["name"] for w in workers] == ["actor-0", "actor-1"]
+    for worker in workers:
+        runs = {r["run"]: r for r in worker["runs"]}
+        assert set(runs) == {"a", "b"} and sum(r["active"] for r in runs.values()) == 1
+        assert all(r["resident_gb"] > 0 for r in runs.values())
     from hybrid_engine.pool.sharing import runs_on
 
     attached = runs_on("sh")["runs"]
