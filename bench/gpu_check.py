@@ -79,7 +79,7 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     from hybrid_engine.data import prompt_batch
     from hybrid_engine.models.loading import load_policy
     from hybrid_engine.models.logprobs import (
-        head_log_probs,
+        head_log_probs_against_autograd,
         packed_response_log_probs,
         response_log_probs,
     )
@@ -109,21 +109,8 @@ def check_equalities(tokenizer) -> dict:  # noqa: ANN001
     head = torch.nn.Linear(64, 5000, device=DEVICE)
     hidden = torch.randn(100, 64, device=DEVICE, generator=g)
     targets = torch.randint(0, 5000, (100,), device=DEVICE, generator=g)
-    grads = []
-    for fused in (False, True):
-        head.zero_grad()
-        h = hidden.clone().requires_grad_()
-        if fused:
-            logp, ent = head_log_probs(head, h, targets, 0.7, with_entropy=True)
-        else:
-            logp_all = (head(h) / 0.7).log_softmax(-1)
-            logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-        (logp.sum() + 0.1 * ent.sum()).backward()
-        grads.append([logp.detach(), ent.detach(), h.grad, head.weight.grad, head.bias.grad])
-    out["head_log_probs_max_abs_diff"] = max(
-        float((a - b).abs().max()) for a, b in zip(*grads, strict=True)
-    )
+    pairs = head_log_probs_against_autograd(head, hidden, targets, 0.7, {"logp": 1, "entropy": 0.1})
+    out["head_log_probs_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in pairs.values())
 
     seq = torch.cat([ids, sampled], 1)
     seq_mask = torch.cat([mask, (sampled != pad).long()], 1)

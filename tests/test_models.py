@@ -5,7 +5,12 @@ import torch
 
 from hybrid_engine.config import ModelConfig
 from hybrid_engine.models.loading import load_critic, load_policy, resolve_model_path
-from hybrid_engine.models.logprobs import head_log_probs, position_ids_from_mask, response_log_probs
+from hybrid_engine.models.logprobs import (
+    head_log_probs,
+    head_log_probs_against_autograd,
+    position_ids_from_mask,
+    response_log_probs,
+)
 
 pytestmark = pytest.mark.fast  # the inner loop: bash scripts/test.sh -m fast
 
@@ -47,14 +52,6 @@ def test_response_log_probs_match_a_full_forward(tokenizer):
     assert torch.equal(position_ids_from_mask(mask)[0, 3:], torch.arange(6))
 
 
-def reference_log_probs(head, hidden, targets, temperature):
-    """log_softmax and entropy by plain autograd: what `head_log_probs` must equal."""
-    z = head(hidden) / temperature
-    logp_all = z.log_softmax(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
-
-
 @pytest.mark.parametrize("terms", [("logp", "entropy"), ("logp",), ("entropy",)])
 def test_head_log_probs_values_and_gradients_equal_autograd(terms):
     g = torch.Generator().manual_seed(0)
@@ -64,25 +61,15 @@ def test_head_log_probs_values_and_gradients_equal_autograd(terms):
     hidden = torch.randn(70, 16, generator=g)
     targets = torch.randint(0, 300, (70,), generator=g)
     weights = {"logp": torch.randn(70, generator=g), "entropy": torch.randn(70, generator=g)}
-    results = []
-    for fused in (False, True):
-        head.zero_grad()
-        h = hidden.clone().requires_grad_()
-        if fused:
-            logp, ent = head_log_probs(head, h, targets, 0.7, with_entropy=True)
-        else:
-            logp, ent = reference_log_probs(head, h, targets, 0.7)
-        out = {"logp": logp, "entropy": ent}
-        # a term left out is outside the graph: the fused backward gets None for it
-        sum((weights[t] * out[t]).sum() for t in terms).backward()
-        results.append([logp.detach(), ent.detach(), h.grad, head.weight.grad, head.bias.grad])
-    names = ["logp", "entropy", "d/dh", "d/dW", "d/db"]
-    for name, want, got in zip(names, *results, strict=True):
+    pairs = head_log_probs_against_autograd(
+        head, hidden, targets, 0.7, {t: weights[t] for t in terms}
+    )
+    for name, (want, got) in pairs.items():
         torch.testing.assert_close(
             got, want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
     # the entropy of uniform logits is log(vocab), its maximum
-    assert float(results[1][1].max()) <= math.log(300) + 1e-5
+    assert float(pairs["entropy"][1].max()) <= math.log(300) + 1e-5
     zero = torch.nn.Linear(16, 300, bias=False)
     torch.nn.init.zeros_(zero.weight)
     _, uniform = head_log_probs(zero, hidden[:3], targets[:3], with_entropy=True)

@@ -131,6 +131,35 @@ class _HeadLogProbs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
+def head_log_probs_against_autograd(
+    head: nn.Linear,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    weights: dict[str, torch.Tensor | float],
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`head_log_probs`' values and gradients beside plain autograd through `log_softmax`
+    (the check the tests and `bench/gpu_check.py` run): {name: (autograd, fused)} for
+    logp, entropy, d/dh, d/dW (and d/db), the loss being sum(weights[term] * term)."""
+    results = []
+    for fused in (False, True):
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        if fused:
+            logp, ent = head_log_probs(head, h, targets, temperature, with_entropy=True)
+        else:
+            logp_all = (head(h) / temperature).log_softmax(-1)
+            logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+        out = {"logp": logp, "entropy": ent}
+        # a term left out is outside the graph: the fused backward gets None for it
+        sum((w * out[t]).sum() for t, w in weights.items()).backward()
+        grads = [h.grad, head.weight.grad] + ([] if head.bias is None else [head.bias.grad])
+        results.append([logp.detach(), ent.detach(), *grads])
+    names = ["logp", "entropy", "d/dh", "d/dW", "d/db"]
+    return {n: (a, b) for n, a, b in zip(names, *results, strict=False)}
+
+
 def repeats_previous_row(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(rows,) True where a row's tokens and mask equal the row before it (GRPO's samples of
     one prompt sit in consecutive rows)."""
