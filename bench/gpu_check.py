@@ -232,28 +232,13 @@ def run_actor(
     # plain `generate` at the same batch: the rollout baseline
     model = actor.policy.eval()
     ids, pmask = batch["prompt_ids"].to(DEVICE), batch["prompt_mask"].to(DEVICE)
-    plain = []
-    for i in range(2):
-        torch.manual_seed(i)
-        sync()
-        start = time.perf_counter()
-        with torch.no_grad():
-            gen = model.generate(
-                input_ids=ids,
-                attention_mask=pmask,
-                max_new_tokens=new_tokens,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        sync()
-        seconds = time.perf_counter() - start
-        resp = gen[:, ids.shape[1] :]
-        eos = (resp == tokenizer.eos_token_id).long()
-        tokens = int(((eos.cumsum(-1) - eos) == 0).sum())
-        plain.append(tokens / seconds)
+    from plain_generate import plain_generate
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    plain = [
+        t / s
+        for t, s in (plain_generate(model, ids, pmask, new_tokens, eos, pad, i) for i in range(2))
+    ]
     measured = timings[1:]
     return {
         "dtype": dtype,

@@ -22,11 +22,12 @@ import statistics
 import time
 
 import torch
+from plain_generate import plain_generate  # beside this file
 
 from hybrid_engine.config import load_config
 from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.models.loading import load_policy, load_tokenizer
-from hybrid_engine.rollout.base import SamplingParams, response_mask_from_ids
+from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.hf import HFRollout
 
 
@@ -74,23 +75,10 @@ def main() -> None:
         steps.append(out["response_ids"].shape[1])
         tokens.append(out.meta["gen_tokens"])
 
-        torch.manual_seed(r)
-        start = time.perf_counter()
-        with torch.no_grad():
-            seq = model.generate(
-                input_ids=batch["prompt_ids"],
-                attention_mask=batch["prompt_mask"],
-                max_new_tokens=args.max_new_tokens,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=eos,
-            )
-        secs = time.perf_counter() - start
-        resp = seq[:, batch["prompt_ids"].shape[1] :]
-        plain_tokens = int(response_mask_from_ids(resp, eos).sum())
+        ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+        plain_tokens, secs = plain_generate(
+            model, ids, mask, args.max_new_tokens, eos, tok.pad_token_id, seed=r
+        )
         plain_tps.append(plain_tokens / secs)
         print(
             f"repeat {r}: hybridrl hf {ours_tps[-1]:7.1f} tok/s ({out.meta['gen_tokens']} "

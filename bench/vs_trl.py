@@ -179,30 +179,19 @@ def child_generate(threads: int, repeats: int = 3) -> None:
     cfg = demo_config([])
     from hybrid_engine.data import PromptData, prompt_batch
     from hybrid_engine.models.loading import load_policy, load_tokenizer
-    from hybrid_engine.rollout.base import response_mask_from_ids
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
     rows = PromptData(cfg.data).step_rows(1)
     batch = prompt_batch(rows, tokenizer, cfg.data.max_prompt_length).repeat_interleave(SAMPLES)
     eos = tokenizer.eos_token_id
+    from plain_generate import plain_generate
+
     for i in range(repeats + 1):  # the first call warms up
-        torch.manual_seed(i)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=batch["prompt_ids"],
-                attention_mask=batch["prompt_mask"],
-                max_new_tokens=NEW_TOKENS,
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        seconds = time.perf_counter() - start
-        completion = out[:, batch["prompt_ids"].shape[1] :]
-        tokens = int(response_mask_from_ids(completion, eos).sum())
+        ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+        tokens, seconds = plain_generate(
+            model, ids, mask, NEW_TOKENS, eos, tokenizer.pad_token_id, seed=i
+        )
         if i:
             emit({"gen_s": seconds, "gen_tokens": tokens})
 
