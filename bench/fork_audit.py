@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -34,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from report import machine  # noqa: E402 - beside this file
+
 HYBRIDRL = [sys.executable, "-m", "flows.cli"]
 
 
@@ -137,7 +138,7 @@ def main() -> None:
         for m in re.finditer(r"^(\d+/\w+): (.+) \(([\d.]+) s\)$", audit_out, re.M)
     ]
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "steps": a.steps,
         "fork_at": a.at,

@@ -62,7 +62,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from learning_report import plot, table  # noqa: E402 - beside this file
-from recipes import cpu_model, preset  # noqa: E402
+from recipes import preset  # noqa: E402
+from report import cpu_model  # noqa: E402
 
 FRAMEWORKS = ("hybridrl", "trl")
 # the per-step record's fields, and each framework's metric for them

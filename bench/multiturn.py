@@ -18,20 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
+
+from report import cpu_model  # beside this file
 
 from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine
 from hybrid_engine.step_metrics import peak_rss_gb
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def measure(engine: Engine, steps: int) -> dict:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from report import machine  # noqa: E402 - beside this file
+
 MODES = {
     "sync-local": ["trainer.num_threads=2"],
     "sync-pool": ["trainer.num_threads=2", "trainer.backend=ray"],
@@ -127,18 +128,6 @@ def run_child(mode: str, steps: int, test_freq: int) -> list[dict[str, Any]]:
     if proc.returncode or not rows:
         sys.exit(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return rows
-
-
-def machine() -> str:
-    cpu = next(
-        (
-            x.split(":", 1)[1].strip()
-            for x in Path("/proc/cpuinfo").read_text().splitlines()
-            if x.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def med(rows: list[dict], key: str) -> float:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from report import cpu_model  # beside this file
 
 from hybrid_engine.config import load_config
 from hybrid_engine.engine import Engine, train
@@ -32,13 +33,6 @@ ALL = ["grpo", "dr_grpo", "gspo", "cispo", "sapo", "dapo", "lora"]
 
 def preset(recipe: str) -> str:
     return "configs/demo_cpu.yaml" if recipe == "grpo" else f"configs/{recipe}_cpu.yaml"
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def run(recipe: str, steps: int, seed: int, every: int, overrides: list[str]) -> dict:

@@ -15,7 +15,6 @@ median of `--steps` steps. Writes `scaling.json`, `scaling.md` and `scaling.png`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from report import write_report  # noqa: E402 - beside this file
+
 SAMPLES_PER_PROMPT = 4
 SAMPLES = [8, 16, 32, 64]  # at 32 tokens
 LENGTHS = [16, 32, 64, 128]  # at 32 samples
@@ -88,12 +89,7 @@ def main() -> None:
         "length": [points[32, n] for n in LENGTHS],
         "seconds": time.perf_counter() - started,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.json").write_text(json.dumps(report, indent=2))
-    (out / "scaling.md").write_text(table(report))
-    plot(report, out / "scaling.png")
-    print(table(report))
+    write_report(args.out, "scaling", report, table, plot)
 
 
 def table(r: dict[str, Any]) -> str:

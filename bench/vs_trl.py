@@ -47,6 +47,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # hybrid_engine, flows (also when not installed)
+from report import write_report  # noqa: E402 - beside this file
 from vs_trl_report import plot, table  # noqa: E402 - beside this file
 
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 8, 4, 32, 1e-5
@@ -394,12 +395,7 @@ def main() -> None:
             "peak_rss": ours["peak_rss_gb"] / trl["peak_rss_gb"],
         },
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vs_trl.json").write_text(json.dumps(report, indent=2))
-    (out / "vs_trl.md").write_text(table(report))
-    plot(report, out / "vs_trl.png")
-    print(table(report))
+    write_report(args.out, "vs_trl", report, table, plot)
 
 
 if __name__ == "__main__":
