@@ -274,7 +274,7 @@ def down(backend: str, env: dict, bucket: str) -> list[str]:
     none of their own)."""
     import psutil
 
-    from hybrid_engine.pool.cluster import _head_processes
+    from hybrid_engine.pool.cluster import head_processes
 
     head = Path(env["HYBRIDRL_RAY_STATE"]) / "head.json"
     temp_dir = json.loads(head.read_text())["temp_dir"] if head.is_file() else None
@@ -287,7 +287,7 @@ def down(backend: str, env: dict, bucket: str) -> list[str]:
             timeout=300,
         )
     time.sleep(2)
-    left = [f"{p.pid} {p.name()}" for p in _head_processes(temp_dir)] if temp_dir else []
+    left = [f"{p.pid} {p.name()}" for p in head_processes(temp_dir)] if temp_dir else []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if bucket in cmd:

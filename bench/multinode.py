@@ -60,7 +60,8 @@ PLACEMENTS = {"one node": "pack", "two nodes": "strict_spread"}
 def run(model: str, steps: int, placement: str | None) -> tuple[dict, list[dict], dict]:
     """Train `steps` steps; placement None = the one-rank in-process reference."""
     from hybrid_engine.config import load_config
-    from hybrid_engine.engine import Engine, train
+    from hybrid_engine.engine import Engine
+    from hybrid_engine.loop import train
 
     preset, extra = MODELS[model]
     common = [*extra, f"trainer.total_training_steps={steps}"]

@@ -25,7 +25,8 @@ from pathlib import Path
 from report import cpu_model  # beside this file
 
 from hybrid_engine.config import load_config
-from hybrid_engine.engine import Engine, train
+from hybrid_engine.engine import Engine
+from hybrid_engine.loop import train
 from hybrid_engine.step_metrics import peak_rss_gb
 
 ALL = ["grpo", "dr_grpo", "gspo", "cispo", "sapo", "dapo", "lora"]

@@ -38,7 +38,7 @@ os.environ.setdefault("RAY_debug_dump_period_milliseconds", "1000")  # the objec
 
 import psutil  # noqa: E402
 
-from hybrid_engine.pool.cluster import _head_processes, state_dir, stop_local_head  # noqa: E402
+from hybrid_engine.pool.cluster import head_processes, state_dir, stop_local_head  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 PRESETS = {
@@ -60,7 +60,7 @@ def processes(driver: psutil.Process) -> dict[str, list[psutil.Process]]:
         kinds["children"] = driver.children(recursive=True)
     head = state_dir() / "head.json"
     if head.is_file():
-        for p in _head_processes(json.loads(head.read_text())["temp_dir"]):
+        for p in head_processes(json.loads(head.read_text())["temp_dir"]):
             try:
                 kind = (
                     "workers" if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::") else "ray"

@@ -34,7 +34,7 @@ def main() -> None:
     print(
         f"{cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples, "
         f"{cfg.rollout.max_new_tokens} new tokens, one-update shortcut: "
-        f"{engine.on_policy_single_update}"
+        f"{engine.cfg.on_policy_single_update}"
     )
     header = " ".join(f"{s:>13}" for s in STAGES)
     print(f"{'step':>4} {header} {'resp_len':>8} {'gen tok/s':>9}")

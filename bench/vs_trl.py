@@ -233,7 +233,7 @@ def ray_processes() -> list[Any]:
     state = pool.state_dir() / "head.json"
     if not state.is_file():
         return []
-    return pool._head_processes(json.loads(state.read_text())["temp_dir"])
+    return pool.head_processes(json.loads(state.read_text())["temp_dir"])
 
 
 def run_child(kind: str, args: argparse.Namespace, extra=lambda: []) -> dict[str, Any]:  # noqa: ANN001

@@ -1,4 +1,4 @@
-"""The driver: one training step as four calls, and a plain in-process loop around them.
+"""The driver: one training step as four calls (the plain loop around them: `loop.train`).
 
     batch = engine.rollout(step)      # prompts -> n sampled responses each
     batch = engine.reward(batch)      # responses -> token-level scores
@@ -25,18 +25,14 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.evaluation import validate
+from hybrid_engine.export import policy_module
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
-from hybrid_engine.rewards import (
-    RewardScorer,
-    overlong_penalty,
-    score_responses,
-    token_level_scores,
-)
 from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
 from hybrid_engine.rollout.agent.runner import EpisodeLog, agent_rollout
 from hybrid_engine.rollout.base import SamplingParams, step_seed
 from hybrid_engine.rollout.dynamic_sampling import dynamic_rollout
-from hybrid_engine.rollout.multiturn import env_rollout, multi_turn_metrics, multi_turn_scores
+from hybrid_engine.rollout.multiturn import env_rollout, multi_turn_metrics
+from hybrid_engine.scoring import BatchScoring
 from hybrid_engine.staleness import WeightsFeed, rollout_version, staleness_metrics
 from hybrid_engine.step_metrics import batch_stats, finish_step, rollout_timings, timer
 
@@ -58,9 +54,7 @@ class Engine:
             reuse_freed_memory()
         self.tokenizer = load_tokenizer(cfg.model)
         self.data = PromptData(cfg.data)
-        self.scorer = RewardScorer(
-            cfg.reward.function, cfg.reward.answer_format, cfg.data.task_config
-        )
+        self.scoring = BatchScoring(cfg, self.tokenizer)
         self.pool = None
         self.feed: WeightsFeed | None = None  # the trainer's weights to a separate rollout group
         self.critic: Critic | None = None
@@ -76,11 +70,9 @@ class Engine:
             if cfg.use_critic:
                 self.critic = Critic(cfg, self.tokenizer)
             if cfg.use_reward_model:
-                self.reward_model = RewardModel(cfg, self.tokenizer)
+                self.reward_model = self.scoring.reward_model = RewardModel(cfg, self.tokenizer)
         self.kl_ctrl = kl_controller(**cfg.algorithm.kl_ctrl.model_dump())
         self.next_gen_batch, self.kept_of_prompts = 1, None  # the plain loop's DAPO cursor
-        # the last update applied to the weights, {step, meta}: a retried commit uses it
-        self.applied_update: dict[str, Any] | None = None
 
     def _use_pool(self, pool: Any) -> None:
         self.pool = pool
@@ -88,7 +80,7 @@ class Engine:
         if self.cfg.use_critic:
             self.critic = pool.role("critic")
         if self.cfg.use_reward_model:
-            self.reward_model = pool.role("rm")
+            self.reward_model = self.scoring.reward_model = pool.role("rm")
         if self.cfg.separate_rollout:
             replicas = pool.role("rollout")
             self.feed = WeightsFeed(self.actor, replicas, self.cfg.trainer.max_staleness)
@@ -118,19 +110,6 @@ class Engine:
             if self.critic is not None:
                 self.critic = Critic(self.cfg, self.tokenizer)
         self.kl_ctrl = kl_controller(**self.cfg.algorithm.kl_ctrl.model_dump())
-
-    @property
-    def on_policy_single_update(self) -> bool:
-        """One optimizer step on data from the current weights: the old log-probs equal the
-        new ones before that step, so the update takes them from its own forward pass
-        (detached) instead of a separate one. KL-in-reward still needs them up front."""
-        a = self.cfg.actor
-        return (
-            a.ppo_epochs == 1
-            and a.ppo_mini_batch_size == self.cfg.samples_per_step
-            and not self.cfg.algorithm.use_kl_in_reward
-            and not self.cfg.algorithm.rollout_correction.enabled
-        )
 
     def rollout_progress(self) -> dict[str, float] | None:
         """While `rollout` runs (hf backend): response tokens sampled so far and seconds."""
@@ -227,7 +206,7 @@ class Engine:
             log_probs=self.cfg.algorithm.rollout_correction.enabled,
         )
         with timer(metrics, "gen"):
-            batch = self._generate(
+            batch = self.generate(
                 prompts.repeat_interleave(r.n),
                 sampling,
                 on_turn,
@@ -253,7 +232,7 @@ class Engine:
         batch.meta.update(step=step, metrics=metrics)
         return batch
 
-    def _generate(
+    def generate(
         self,
         prompts: Batch,
         sampling: SamplingParams,
@@ -280,61 +259,14 @@ class Engine:
 
     # --------------------------------------------------------------- 2. reward
     def reward(self, batch: Batch) -> Batch:
-        """`scores` (the scorer's), `acc` (score >= 1) and `token_level_scores` (plus the
-        overlong penalty, on the last response token). A batch that dynamic sampling scored
-        already keeps its scores."""
-        metrics: dict[str, float] = {}
-        with timer(metrics, "reward"):
-            if "token_level_scores" not in batch and "turns" in batch:
-                batch["scores"], batch["acc"], batch["token_level_scores"] = self._turn_scores(
-                    batch
-                )
-            elif "token_level_scores" not in batch:
-                raw = torch.tensor(self._score(batch, "response_ids", "response_mask"))
-                shaped = raw + self._overlong(batch["response_mask"])
-                batch["scores"], batch["acc"] = raw.float(), (raw >= 1.0).float()
-                batch["token_level_scores"] = token_level_scores(shaped, batch["response_mask"])
-            if "baseline_response_ids" in batch and "reward_baselines" not in batch:
-                base = self._score(batch, "baseline_response_ids", "baseline_response_mask")
-                batch["reward_baselines"] = torch.tensor(base) + self._overlong(
-                    batch["baseline_response_mask"]
-                )
-        scores = batch["scores"].tolist()
-        metrics["critic/score/mean"] = sum(scores) / len(scores)
-        metrics["critic/score/max"] = max(scores)
-        metrics["critic/score/min"] = min(scores)
-        if self.cfg.reward.overlong_buffer_len:
-            penalty = self._overlong(batch["response_mask"])
-            metrics["critic/overlong_penalty/mean"] = float(penalty.mean())
-        batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
-        return batch
-
-    def _turn_scores(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Multi-turn: the environment's rewards, the scorer where it gave none."""
-        need = [i for i, r in enumerate(batch["env_reward"]) if r is None]
-        scored = self._score(batch.take(need), "response_ids", "response_mask") if need else []
-        per_turn = self.cfg.rollout.multi_turn.per_turn_rewards
-        return multi_turn_scores(batch, dict(zip(need, scored, strict=True)), per_turn)
-
-    def _overlong(self, response_mask: torch.Tensor) -> torch.Tensor:
-        rc = self.cfg.reward
-        return overlong_penalty(
-            response_mask.sum(-1),
-            self.cfg.rollout.max_new_tokens,
-            rc.overlong_buffer_len,
-            rc.overlong_penalty_factor,
-        )
-
-    def _score(self, batch: Batch, ids_key: str, mask_key: str) -> list[float]:
-        return score_responses(
-            batch, ids_key, mask_key, self.tokenizer, self.scorer, self.reward_model
-        )
+        """`scores`, `acc` (score >= 1) and `token_level_scores` (`scoring.BatchScoring`)."""
+        return self.scoring.reward(batch)
 
     # ------------------------------------------------------------ 3. advantage
     def advantage(self, batch: Batch) -> Batch:
         cfg, alg = self.cfg, self.cfg.algorithm
         metrics: dict[str, float] = {}
-        if not self.on_policy_single_update or len(batch) > cfg.actor.ppo_mini_batch_size:
+        if not cfg.on_policy_single_update or len(batch) > cfg.actor.ppo_mini_batch_size:
             with timer(metrics, "old_log_prob"):
                 batch = batch.union(self.actor.compute_log_prob(batch))
         if cfg.use_reference:
@@ -427,40 +359,14 @@ class Engine:
             metrics |= self.actor.update_actor(batch)
         metrics["weights_version"] = self.actor.weights_version
         if self.pool is not None:  # each worker's memory, as `hybridrl pool status` shows it
-            for w in self.pool.status():
-                if "rss_gb" not in w:  # it died since its part of the update returned
-                    from hybrid_engine.errors import WorkerDiedError
-
-                    raise WorkerDiedError(
-                        f"update: worker {w['name']} of pool "
-                        f"{self.cfg.ray.pool_name!r} died ({w.get('error')})",
-                        w["name"],
-                        "died",
-                    )
-                metrics[f"perf/{w['name']}/rss_gb"] = w["rss_gb"]
-                metrics[f"perf/{w['name']}/peak_rss_gb"] = w["peak_rss_gb"]
+            metrics |= self.pool.memory_metrics("update")
         metrics |= batch_stats(batch, self.cfg.max_response_length)
         metrics = {**batch.meta.get("metrics", {}), **metrics}
         return Batch(meta={"step": batch.meta.get("step"), "metrics": metrics})
 
     def export(self) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
-        """The current policy as a plain HF module in this process (for saving), and with
-        LoRA the full state dict whose adapter tensors `export.adapter_files` writes (the
-        module then holds the adapters merged into the base weights)."""
-        lora = self.cfg.actor.lora
-        if self.pool is None and not lora.rank:
-            return self.actor.policy, None
-        from hybrid_engine.models.loading import load_policy
-        from hybrid_engine.models.lora import lora_config, merged_state_dict
-
-        state = self.actor.full_state_dict()
-        model = load_policy(self.cfg.model, self.tokenizer, self.cfg.trainer.seed)
-        if not lora.rank:
-            model.load_state_dict(state)
-            return model, None
-        config = lora_config(lora)
-        model.load_state_dict(merged_state_dict(state, config))
-        return model, state
+        """The current policy as a plain HF module here (`export.policy_module`)."""
+        return policy_module(self.cfg, self.actor, self.tokenizer)
 
     # ----------------------------------------------------------------- driver
     def step(self, step: int) -> dict[str, float]:
@@ -472,28 +378,3 @@ class Engine:
     def validate(self, samples: int = 0) -> dict[str, Any]:
         """Greedy (by default) generation on the held-out rows (`evaluation.validate`)."""
         return validate(self, samples)
-
-
-def train(
-    cfg: HybridConfig,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
-    engine: Engine | None = None,
-) -> tuple[Engine, list[dict[str, float]]]:
-    """The plain in-process loop: validate, N steps (validating every test_freq), validate."""
-    engine = engine or Engine(cfg)
-    t = cfg.trainer
-    history: list[dict[str, float]] = []
-    if t.val_before_train:
-        val = engine.validate()
-        if on_step:
-            on_step(0, val)
-        history.append({"step": 0, **val})
-    for step in range(1, t.total_training_steps + 1):
-        metrics = engine.step(step)
-        last = step == t.total_training_steps
-        if last or (t.test_freq and step % t.test_freq == 0):
-            metrics |= engine.validate()
-        if on_step:
-            on_step(step, metrics)
-        history.append({"step": step, **metrics})
-    return engine, history

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,11 +31,14 @@ from hybrid_engine.rollout.base import SamplingParams, step_seed
 from hybrid_engine.rollout.hf import HFRollout
 from hybrid_engine.rollout.multiturn import conversation_text, multi_turn_metrics
 
+if TYPE_CHECKING:
+    from hybrid_engine.engine import Engine
+
 EVAL_SEED_STEP = -2  # validation uses -1: a seed of its own
 
 
 @torch.no_grad()
-def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
+def validate(engine: Engine, samples: int = 0) -> dict[str, Any]:
     """Greedy (by default) generation on the held-out rows; accuracy = share scored 1.
     With `samples`, `_samples` holds the first ones: {prompt, response, score}."""
     rows = engine.data.val
@@ -52,12 +55,12 @@ def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
     start = time.perf_counter()
     prompts = prompt_batch(rows, engine.tokenizer, engine.cfg.data.max_prompt_length)
     prompts["uid"] = [f"val-{i}" for i in range(len(prompts))]
-    batch = engine._generate(prompts, sampling)
+    batch = engine.generate(prompts, sampling)
     if "turns" in batch:  # multi-turn: success as the environment says, turns, tool use
-        score_t, acc, _ = engine._turn_scores(batch)
+        score_t, acc, _ = engine.scoring.turn_scores(batch)
         scores, correct = score_t.tolist(), acc.tolist()
     else:
-        scores = engine._score(batch, "response_ids", "response_mask")
+        scores = engine.scoring.score(batch)
         correct = [s >= 1.0 for s in scores]
     at = list(range(len(batch)))  # the batch row of each prompt
     if "episode" in batch:  # agent episodes: one score each, its final answer's; a dropped
@@ -98,7 +101,7 @@ def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
+def evaluate_policy(engine: Engine, k: int) -> dict[str, float]:
     """`eval/*` metrics of the policy `engine.actor` holds, on `engine.data.val`."""
     cfg, rows = engine.cfg, engine.data.val
     if not rows:
@@ -110,14 +113,14 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     prompts["uid"] = [f"eval-{i}" for i in range(len(prompts))]
     greedy = engine.actor.generate(prompts, SamplingParams(limit, 0.0))
     texts = _texts(engine.tokenizer, greedy)
-    scores = engine.scorer.score([""] * len(rows), texts, rows)
+    scores = engine.scoring.scorer.score([""] * len(rows), texts, rows)
     lengths = greedy["response_mask"].sum(-1).float()
     seed = step_seed(cfg.trainer.seed, EVAL_SEED_STEP)
     sampled = engine.actor.generate(
         prompts.repeat_interleave(k), SamplingParams(limit, r.temperature, r.top_p, r.top_k, seed)
     )
     s_texts = _texts(engine.tokenizer, sampled)
-    s_scores = engine.scorer.score(
+    s_scores = engine.scoring.scorer.score(
         [""] * len(s_texts), s_texts, [row for row in rows for _ in range(k)]
     )
     fmt = cfg.reward.answer_format

@@ -1,16 +1,39 @@
-"""What leaves the engine as files for other tools: the LoRA adapter as peft saves it
-(`PeftModel.from_pretrained(base, dir)` loads it back). `storage/` writes a run's final
-policy with it, without reaching into `models/`."""
+"""What leaves the engine for other tools: the policy as a plain transformers module
+(`policy_module`), and the LoRA adapter as peft saves it (`adapter_files`;
+`PeftModel.from_pretrained(base, dir)` loads it back). `storage/` writes a run's final
+policy with them, without reaching into `models/`."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from hybrid_engine.config import HybridConfig
 from hybrid_engine.config.training import LoraSettings
-from hybrid_engine.models.lora import ADAPTER, lora_config
+from hybrid_engine.models.loading import load_policy
+from hybrid_engine.models.lora import ADAPTER, lora_config, merged_state_dict
+
+
+def policy_module(
+    cfg: HybridConfig, actor: Any, tokenizer: Any
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
+    """The policy `actor` holds as a plain HF module in this process (for saving), and with
+    LoRA the full state dict whose adapter tensors `adapter_files` writes (the module then
+    holds the adapters merged into the base weights). A local actor without LoRA hands over
+    its own module; a pool's is rebuilt here from its gathered state dict."""
+    lora = cfg.actor.lora
+    if cfg.trainer.backend != "ray" and not lora.rank:
+        return actor.policy, None
+    state = actor.full_state_dict()
+    model = load_policy(cfg.model, tokenizer, cfg.trainer.seed)
+    if not lora.rank:
+        model.load_state_dict(state)
+        return model, None
+    model.load_state_dict(merged_state_dict(state, lora_config(lora)))
+    return model, state
 
 
 def adapter_files(

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import time
+import weakref
 from typing import Any
 
 from prefect import task
@@ -35,6 +36,9 @@ from storage.faults import fault_batch, fault_point
 from storage.store import RunStore
 from tasks.progress import emit
 from tasks.recovery import CLOCK, stage_limit
+
+# the last update each engine applied to its weights, {step, meta}: a retried commit uses it
+APPLIED: weakref.WeakKeyDictionary[Engine, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 class StageOrderError(RuntimeError):
@@ -268,7 +272,7 @@ def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -
     version = engine.actor.weights_version
     if done and version == step:
         return _result("update", step, done.uri, done.meta, True, advantage)
-    applied = engine.applied_update  # a retry after a failed commit
+    applied = APPLIED.get(engine)  # a retry after a failed commit
     if not done and version == step and applied and applied["step"] == step:
         uri = store.commit_stage(step, "update", None, applied["meta"])
         return _result("update", step, uri, applied["meta"], False, advantage)
@@ -285,7 +289,7 @@ def update(engine: Engine, store: RunStore, step: int, advantage: StageResult) -
     seconds = time.perf_counter() - start
     metrics = finish_step(result.meta["metrics"], advantage.step_s + seconds) | pool_metrics(engine)
     meta = {"metrics": metrics, "weights_version": engine.actor.weights_version, "wall_s": seconds}
-    engine.applied_update = {"step": step, "meta": meta}  # the weights are at N: keep the
+    APPLIED[engine] = {"step": step, "meta": meta}  # the weights are at N: keep the
     uri = store.commit_stage(step, "update", None, meta)  # metrics for a retried commit
     return _result("update", step, uri, meta, False, advantage)
 

@@ -86,7 +86,7 @@ def own_ray_head(state: Path, pool_name: str, prefect_api: str):
     if head.is_file():
         temp_dir = json.loads(head.read_text())["temp_dir"]
         driver(["pool", "down", "--pool", pool_name], prefect_api, extra_env=env, timeout=120)
-        assert not pool._head_processes(temp_dir), "the local Ray head outlived the test"
+        assert not pool.head_processes(temp_dir), "the local Ray head outlived the test"
 
 
 def fs_for(root: str, endpoint: str | None):

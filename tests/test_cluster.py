@@ -22,7 +22,8 @@ from test_pool import SIGNAL, WAVES, cfg  # the pool tests' config for a named p
 from weights import assert_same_grad_norms, assert_same_weights
 
 from hybrid_engine.config import load_config
-from hybrid_engine.engine import Engine, train
+from hybrid_engine.engine import Engine
+from hybrid_engine.loop import train
 
 ROOT = Path(__file__).parents[1]
 
@@ -47,7 +48,7 @@ def cluster(tmp_path_factory):
         yield {"address": address, "env": {"HYBRIDRL_RAY_STATE": os.environ["HYBRIDRL_RAY_STATE"]}}
     finally:
         ray_cluster.stop_local_head()
-        left = [p.pid for d in dirs for p in ray_cluster._head_processes(d)]
+        left = [p.pid for d in dirs for p in ray_cluster.head_processes(d)]
         if old is None:
             os.environ.pop("HYBRIDRL_RAY_STATE")
         else:

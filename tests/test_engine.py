@@ -10,7 +10,8 @@ import torch
 from weights import assert_same_weights
 
 from hybrid_engine.config import load_config
-from hybrid_engine.engine import Engine, train
+from hybrid_engine.engine import Engine
+from hybrid_engine.loop import train
 
 # A reward that varies across random completions, so every group has a learning signal.
 SIGNAL = "reward.function=reward_fns:length_score"
@@ -139,7 +140,7 @@ def test_kl_in_reward_with_adaptive_controller():
         ],
     )
     engine = Engine(cfg)
-    assert engine.actor.ref is not None and not engine.on_policy_single_update
+    assert engine.actor.ref is not None and not engine.cfg.on_policy_single_update
     m1 = engine.step(1)
     m2 = engine.step(2)
     assert m1["actor/reward_kl_penalty_coeff"] == 0.1

@@ -11,7 +11,7 @@ The engine's errors and constants (`WorkerLostError`, `STOPPING`, `CallsAbandone
 `NO_SPACE`) live in `hybrid_engine.errors`, so:
 - `tasks/` imports nothing of `hybrid_engine.pool`;
 - `flows/` only where it manages the pool itself: the command line's `pool` and `cluster`
-  commands (`flows/cli/main.py`, `flows/cli/cluster.py`) and the train flow's claim on the
+  commands (`flows/cli/cluster.py`) and the train flow's claim on the
   pool (one run's claim, or a shared pool's) and its `pool.down` when the run owns it
   (`flows/train.py`), listed in `POOL_USERS`;
 - `storage/` imports nothing of `hybrid_engine.models` (a final policy's LoRA adapter is
@@ -37,8 +37,11 @@ FOUNDATION = {
 }
 NOT_IN_ENGINE = ("prefect", "mlflow", "s3fs")
 POOL_USERS = {
-    "flows.cli.main": {"hybrid_engine.pool.pool", "hybrid_engine.pool.claim"},
-    "flows.cli.cluster": {"hybrid_engine.pool.pool", "hybrid_engine.pool.cluster"},
+    "flows.cli.cluster": {
+        "hybrid_engine.pool.pool",
+        "hybrid_engine.pool.cluster",
+        "hybrid_engine.pool.claim",
+    },
     "flows.train": {
         "hybrid_engine.pool.pool",
         "hybrid_engine.pool.claim",

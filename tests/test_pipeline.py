@@ -152,7 +152,7 @@ def test_on_the_pool_a_resume_reattaches_or_reloads(tmp_path, prefect_api, refer
         head = json.loads((tmp_path / "ray" / "head.json").read_text())["temp_dir"]
         down = cli("pool", "down", "--pool", "pipeline")
         assert "stopped 1 worker(s)" in down.stdout, down.stdout + down.stderr
-    assert not pool._head_processes(head), "the local Ray head outlived `pool down`"
+    assert not pool.head_processes(head), "the local Ray head outlived `pool down`"
     assert "no local head is running" in cli("pool", "status", "--pool", "pipeline").stdout
     # while it was up: one healthy worker holding the run's last weights version
     assert status.returncode == 0 and status.stdout.count(" ok ") == 1, status.stdout

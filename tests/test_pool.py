@@ -7,6 +7,8 @@ named; a pool built for another config is refused; no process is left behind.
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +21,8 @@ from safetensors.torch import load_file
 from weights import assert_same_grad_norms, assert_same_weights
 
 from hybrid_engine.config import load_config
-from hybrid_engine.engine import Engine, train
+from hybrid_engine.engine import Engine
+from hybrid_engine.loop import train
 
 SIGNAL = "reward.function=reward_fns:length_score"
 # Rollouts split over ranks sample what one rank samples when every rank decodes the same
@@ -53,7 +56,7 @@ def ray_head(tmp_path_factory):
     os.environ["HYBRIDRL_RAY_STATE"] = str(tmp_path_factory.mktemp("raystate"))
     yield
     pool.stop_local_head()
-    left = [p.pid for d in HEADS for p in pool._head_processes(d)]
+    left = [p.pid for d in HEADS for p in pool.head_processes(d)]
     assert HEADS and not left, f"processes left behind: {left}"
     if old is None:
         os.environ.pop("HYBRIDRL_RAY_STATE")
@@ -103,7 +106,7 @@ def test_two_fsdp_ranks_train_like_one_rank_and_like_the_local_loop():
         engine.pool.down(stop_head=False)
 
 
-def test_second_driver_reattaches_to_the_same_workers_and_weights():
+def test_second_driver_reattaches_to_the_same_workers_and_weights(tmp_path):
     engine = Engine(cfg("attach"))
     engine.step(1)
     pid = engine.pool.status()[0]["pid"]
@@ -167,6 +170,35 @@ def test_second_driver_reattaches_to_the_same_workers_and_weights():
         _ = fresh.actor.weights_version
     with pytest.raises(PoolTaken, match="by a driver that does not claim pools"):
         fresh.actor.invalidate()
+    assert fresh.pool.status()[0]["healthy"]
+    # a driver running other engine code (here: one file edited) is refused in one line
+    other = tmp_path / "other"
+    shutil.copytree(
+        "hybrid_engine", other / "hybrid_engine", ignore=shutil.ignore_patterns("*.pyc")
+    )
+    with open(other / "hybrid_engine" / "engine.py", "a") as f:
+        f.write("# edited\n")
+    script = (
+        f"import sys; sys.path[:0] = [{str(other)!r}, 'tests']\n"
+        "import hybrid_engine\n"
+        f"assert hybrid_engine.__file__.startswith({str(other)!r}), hybrid_engine.__file__\n"
+        "from hybrid_engine.pool.pool import Pool\n"
+        "from test_pool import cfg\n"
+        "Pool.up(cfg('attach'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": address, "HYBRIDRL_RAY_STATE": "/nonexistent"},
+    )
+    assert out.returncode != 0
+    assert re.search(
+        r"PoolError: pool 'attach' was started by other hybridrl code \(pool runs [0-9a-f]{12}, "
+        r"this is [0-9a-f]{12}\): `hybridrl pool down --pool attach` and start again",
+        out.stderr.splitlines()[-1],
+    ), out.stderr[-2000:]
     assert fresh.pool.status()[0]["healthy"]
     fresh.pool.down(stop_head=False)
 

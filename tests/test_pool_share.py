@@ -57,7 +57,7 @@ def ray_head(tmp_path_factory):
     state = pool.state_dir() / "head.json"
     temp_dir = json.loads(state.read_text())["temp_dir"] if state.is_file() else None
     pool.stop_local_head()
-    assert temp_dir is None or not pool._head_processes(temp_dir), "the head outlived the tests"
+    assert temp_dir is None or not pool.head_processes(temp_dir), "the head outlived the tests"
     if old is None:
         os.environ.pop("HYBRIDRL_RAY_STATE")
     else:

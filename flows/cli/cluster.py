@@ -1,6 +1,7 @@
-"""`hybridrl cluster ...`: the Ray cluster the pool runs on — its nodes, their resources and
-which pool workers sit where; and, on one machine, a local cluster of several nodes (a head
-plus nodes that are their own raylets) for multi-node tests and benchmarks."""
+"""`hybridrl pool ...`: the persistent worker pool (its workers, the runs sharing it; stop
+it). `hybridrl cluster ...`: the Ray cluster the pool runs on — its nodes, their resources
+and which pool workers sit where; and, on one machine, a local cluster of several nodes (a
+head plus nodes that are their own raylets) for multi-node tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -149,3 +150,77 @@ def down() -> None:
     from hybrid_engine.pool.cluster import stop_local_head
 
     console.print("local cluster stopped" if stop_local_head() else "no local head is running")
+
+
+pool_app = typer.Typer(help="The persistent Ray worker pool.")
+PoolName = Annotated[str, typer.Option("--pool", help="ray.pool_name of the pool")]
+
+
+def _checked_pool(pool: str) -> str:
+    """`--pool` checked like `ray.pool_name` (one line and exit 1 when it is not a name)."""
+    from pydantic import ValidationError
+
+    from hybrid_engine.config import RayConfig
+
+    try:
+        RayConfig(pool_name=pool)
+    except ValidationError:
+        fail(
+            ValueError(
+                f"--pool {pool!r} is not a pool name (letters, digits, _ . -; "
+                "starting with a letter or digit; at most 63 characters)"
+            )
+        )
+    return pool
+
+
+@pool_app.command("status")
+def pool_status(pool: PoolName = "default") -> None:
+    """Each worker: weights version, role, rank, pid, RSS, health."""
+    pool = _checked_pool(pool)  # before Ray and torch are imported: a bad name fails at once
+    from rich.table import Table
+
+    from flows.cli.sharing import show_pool
+    from hybrid_engine.pool.pool import pool_status as status
+
+    if not _connected():
+        console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
+        raise typer.Exit(1)
+    workers = status(pool)
+    if not workers:
+        console.print(f"pool {pool!r} has no workers")
+        raise typer.Exit(1)
+    table = Table(title=f"pool {pool!r}")
+    for col in ("worker", "roles", "rank", "pid", "weights", "rss GB", "peak GB", "health"):
+        table.add_column(col)
+    for w in workers:
+        healthy = w.get("healthy")
+        table.add_row(
+            w["name"],
+            "+".join(w.get("roles", [])),
+            f"{w.get('rank', '-')}/{w.get('world', '-')}",
+            str(w.get("pid", "-")),
+            str(w.get("weights_version", "-")),
+            f"{w['rss_gb']:.2f}" if "rss_gb" in w else "-",
+            f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
+            "ok" if healthy else Text(w.get("error") or "unhealthy", "red"),
+        )
+    show_pool(table, pool)  # and the runs sharing it (ray.when_busy=share)
+    console.print(heads_line())
+
+
+@pool_app.command("down")
+def pool_down(pool: PoolName = "default") -> None:
+    """Kill the pool's workers; stop the local Ray head if no other pool uses it."""
+    pool = _checked_pool(pool)
+    from hybrid_engine.pool.pool import down
+
+    if not _connected():
+        console.print("no Ray cluster is running: nothing to stop")
+        return
+    from hybrid_engine.pool.claim import holder_line, live_holder
+
+    if (h := live_holder(pool)) is not None:
+        fail(RuntimeError(f"{holder_line(pool, h)}; stop that run first"))
+    killed = down(pool)
+    console.print(f"pool {pool!r}: stopped {len(killed)} worker(s) {killed}")

@@ -360,94 +360,14 @@ def replay(
 
 
 from flows.cli import models as cli_models  # noqa: E402 - the registry commands
-from flows.cli.cluster import cluster_app, heads_line  # noqa: E402
+from flows.cli.cluster import cluster_app, pool_app  # noqa: E402
 
 app.add_typer(cluster_app, name="cluster")
+app.add_typer(pool_app, name="pool")
 
 app.command("evaluate")(cli_models.evaluate)
 app.command("register")(cli_models.register)
 app.command("warmstart")(cli_models.warmstart)
-
-pool_app = typer.Typer(help="The persistent Ray worker pool.")
-app.add_typer(pool_app, name="pool")
-PoolName = Annotated[str, typer.Option("--pool", help="ray.pool_name of the pool")]
-
-
-def _checked_pool(pool: str) -> str:
-    """`--pool` checked like `ray.pool_name` (one line and exit 1 when it is not a name)."""
-    from pydantic import ValidationError
-
-    from hybrid_engine.config import RayConfig
-
-    try:
-        RayConfig(pool_name=pool)
-    except ValidationError:
-        _fail(
-            ValueError(
-                f"--pool {pool!r} is not a pool name (letters, digits, _ . -; "
-                "starting with a letter or digit; at most 63 characters)"
-            )
-        )
-    return pool
-
-
-def _connect() -> bool:
-    from hybrid_engine.config import load_config
-    from hybrid_engine.pool.pool import connect
-
-    return connect(load_config(None, []), start=False) is not None
-
-
-@pool_app.command("status")
-def pool_status(pool: PoolName = "default") -> None:
-    """Each worker: weights version, role, rank, pid, RSS, health."""
-    pool = _checked_pool(pool)  # before Ray and torch are imported: a bad name fails at once
-    from rich.table import Table
-
-    from flows.cli.sharing import show_pool
-    from hybrid_engine.pool.pool import pool_status as status
-
-    if not _connect():
-        console.print("no Ray cluster: no local head is running and RAY_ADDRESS is not set")
-        raise typer.Exit(1)
-    workers = status(pool)
-    if not workers:
-        console.print(f"pool {pool!r} has no workers")
-        raise typer.Exit(1)
-    table = Table(title=f"pool {pool!r}")
-    for col in ("worker", "roles", "rank", "pid", "weights", "rss GB", "peak GB", "health"):
-        table.add_column(col)
-    for w in workers:
-        healthy = w.get("healthy")
-        table.add_row(
-            w["name"],
-            "+".join(w.get("roles", [])),
-            f"{w.get('rank', '-')}/{w.get('world', '-')}",
-            str(w.get("pid", "-")),
-            str(w.get("weights_version", "-")),
-            f"{w['rss_gb']:.2f}" if "rss_gb" in w else "-",
-            f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
-            "ok" if healthy else Text(w.get("error") or "unhealthy", "red"),
-        )
-    show_pool(table, pool)  # and the runs sharing it (ray.when_busy=share)
-    console.print(heads_line())
-
-
-@pool_app.command("down")
-def pool_down(pool: PoolName = "default") -> None:
-    """Kill the pool's workers; stop the local Ray head if no other pool uses it."""
-    pool = _checked_pool(pool)
-    from hybrid_engine.pool.pool import down
-
-    if not _connect():
-        console.print("no Ray cluster is running: nothing to stop")
-        return
-    from hybrid_engine.pool.claim import holder_line, live_holder
-
-    if (h := live_holder(pool)) is not None:
-        _fail(RuntimeError(f"{holder_line(pool, h)}; stop that run first"))
-    killed = down(pool)
-    console.print(f"pool {pool!r}: stopped {len(killed)} worker(s) {killed}")
 
 
 @app.command()

@@ -126,6 +126,19 @@ class HybridConfig(BaseSettings):
         return self.data.train_batch_size * self.rollout.n
 
     @property
+    def on_policy_single_update(self) -> bool:
+        """One optimizer step on data from the current weights: the old log-probs equal the
+        new ones before that step, so the update takes them from its own forward pass
+        (detached) instead of a separate one. KL-in-reward still needs them up front."""
+        a = self.actor
+        return (
+            a.ppo_epochs == 1
+            and a.ppo_mini_batch_size == self.samples_per_step
+            and not self.algorithm.use_kl_in_reward
+            and not self.algorithm.rollout_correction.enabled
+        )
+
+    @property
     def device(self) -> str:
         """Where the workers' models live: GPUs when the pool reserves them, else the CPU."""
         gpu = self.trainer.backend == "ray" and self.ray.num_gpus_per_rank > 0

@@ -45,7 +45,7 @@ def state_dir() -> Path:
     return Path(os.environ.get("HYBRIDRL_RAY_STATE") or cache_dir() / "ray").expanduser()
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -90,7 +90,7 @@ def local_heads() -> list[dict]:
     dirs = {str(d) for d in Path("/tmp").glob(f"hrl-ray-{tag()}-h-*")} | {recorded} - {None}
     heads = []
     for d in sorted(dirs):
-        procs = _head_processes(d)
+        procs = head_processes(d)
         port = None
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
@@ -126,7 +126,7 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
 
 
 def _start_head(num_cpus: int, timeout_s: float) -> str:
-    port = _free_port()
+    port = free_port()
     temp_dir = _temp_dir("h")
     cmd = [
         str(Path(sys.executable).parent / "ray"),
@@ -137,7 +137,7 @@ def _start_head(num_cpus: int, timeout_s: float) -> str:
         f"--num-cpus={num_cpus}",
         "--disable-usage-stats",
         "--include-dashboard=false",
-        f"--dashboard-port={_free_port()}",
+        f"--dashboard-port={free_port()}",
         f"--temp-dir={temp_dir}",
     ]
     env = {**RAY_ENV, **os.environ}  # the user's RAY_AUTH_MODE (e.g. token) wins
@@ -148,7 +148,7 @@ def _start_head(num_cpus: int, timeout_s: float) -> str:
         cmd, env=env, capture_output=True, text=True, timeout=timeout_s, start_new_session=True
     )
     if proc.returncode != 0:
-        _end(_head_processes(temp_dir), kill=True)  # what it started before it failed
+        _end(head_processes(temp_dir), kill=True)  # what it started before it failed
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise PoolError(f"`ray start --head` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     address = f"127.0.0.1:{port}"
@@ -163,7 +163,7 @@ def _start_head(num_cpus: int, timeout_s: float) -> str:
     return address
 
 
-def _head_processes(temp_dir: str) -> list[psutil.Process]:
+def head_processes(temp_dir: str) -> list[psutil.Process]:
     """The head's daemons (their command lines name its temp dir) and their children."""
     found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):
@@ -196,7 +196,7 @@ def _stop_heads() -> bool:
     for name in local_nodes():  # the nodes added to its cluster go with it
         remove_local_node(name)
     for d in dirs:
-        _end(_head_processes(d), kill=False)
+        _end(head_processes(d), kill=False)
         shutil.rmtree(d, ignore_errors=True)
     state.unlink(missing_ok=True)
     return True
@@ -241,7 +241,7 @@ def add_local_node(
         "num_cpus": num_cpus,
         "resources": resources,
         "temp_dir": temp_dir,
-        "ports": {p: _free_port() for p in ports},
+        "ports": {p: free_port() for p in ports},
     }
     env = {**RAY_ENV, **os.environ}  # the head's auth mode, where the user set one
     env.pop("HYBRIDRL_FAULT", None)
@@ -256,7 +256,7 @@ def add_local_node(
             start_new_session=True,
         )
     if proc.returncode != 0:
-        _end(_head_processes(temp_dir), kill=True)
+        _end(head_processes(temp_dir), kill=True)
         text = log.read_text()[-2000:]
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise PoolError(f"node {name!r} did not start ({proc.returncode}):\n{text}")
@@ -274,7 +274,7 @@ def remove_local_node(name: str, kill: bool = False) -> bool:
     if not path.is_file():
         return False
     info = json.loads(path.read_text())
-    _end(_head_processes(info["temp_dir"]), kill)
+    _end(head_processes(info["temp_dir"]), kill)
     shutil.rmtree(info["temp_dir"], ignore_errors=True)
     path.unlink(missing_ok=True)
     return True

@@ -34,9 +34,9 @@ from hybrid_engine.pool.claim import NAME as CLAIM
 from hybrid_engine.pool.claim import PoolClaim
 from hybrid_engine.pool.cluster import (  # noqa: F401 - part of this module's interface
     PoolError,
-    _free_port,
-    _head_processes,
     connect,
+    free_port,
+    head_processes,
     local_head,
     state_dir,
     stop_local_head,
@@ -123,6 +123,12 @@ class Pool:
         want = pool_spec(cfg)
         if share:  # runs sharing the pool agree on its must-match part; the rest is their own
             spec, want = shared_spec(spec), shared_spec(want)
+        if spec.get("code") != want["code"]:
+            raise PoolError(
+                f"pool {name!r} was started by other hybridrl code (pool runs "
+                f"{spec.get('code') or 'a version without a code digest'}, this is "
+                f"{want['code']}): `hybridrl pool down --pool {name}` and start again"
+            )
         if diff := spec_diff(spec, want):
             k, more = diff[0], f"; also {', '.join(diff[1:])}" if diff[1:] else ""
             raise PoolError(
@@ -204,6 +210,21 @@ class Pool:
 
     def status(self) -> list[dict]:
         return [i for g in self.groups.values() for i in g.info()]
+
+    def memory_metrics(self, stage: str) -> dict[str, float]:
+        """Each worker's resident and peak memory, as `hybridrl pool status` shows it;
+        `WorkerDiedError` naming `stage` for a worker that died since its last call."""
+        metrics = {}
+        for w in self.status():
+            if "rss_gb" not in w:
+                raise WorkerDiedError(
+                    f"{stage}: worker {w['name']} of pool {self.name!r} died ({w.get('error')})",
+                    w["name"],
+                    "died",
+                )
+            metrics[f"perf/{w['name']}/rss_gb"] = w["rss_gb"]
+            metrics[f"perf/{w['name']}/peak_rss_gb"] = w["peak_rss_gb"]
+        return metrics
 
     def nodes(self) -> set[str]:
         """The Ray nodes that touch a run's storage: the workers' (checkpoints) and this

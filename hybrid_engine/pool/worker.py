@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import resource
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -14,11 +17,22 @@ import torch
 from hybrid_engine.config import HybridConfig, import_plugins
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
 from hybrid_engine.pool.claim import PoolTaken, driver_line, taken
-from hybrid_engine.pool.cluster import PoolError, _free_port
+from hybrid_engine.pool.cluster import PoolError, free_port
 from hybrid_engine.pool.placement import RESOURCES_KEY
 from hybrid_engine.pool.replica import RolloutReplica
 from hybrid_engine.pool.slots import Slot, SlotsMixin, resident_bytes
 from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel
+
+
+@functools.cache
+def code_digest() -> str:
+    """12 hex digits naming the engine code this process runs: a pool started by other
+    code (an older checkout, an edited file) is refused at attach instead of half-working."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
@@ -26,6 +40,7 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
     of `SHARED` come first: runs sharing a pool (`ray.when_busy=share`) must agree on them;
     the rest is each run's own, built in its slot of the workers (`pool.slots`)."""
     return {
+        "code": code_digest(),
         "model": cfg.model.model_dump(),
         "actor.layout": cfg.actor.layout.model_dump(),
         "placement": cfg.ray.placement,
@@ -55,6 +70,7 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
 
 
 SHARED = (
+    "code",
     "model",
     "actor.layout",
     "placement",
@@ -115,7 +131,7 @@ class Worker(SlotsMixin):
     def address(self) -> str:
         """Rank 0 hosts the group's rendezvous, on its node's address (not the driver's)."""
         ip = ray.util.get_node_ip_address()
-        return f"tcp://{ip}:{_free_port(ip)}"
+        return f"tcp://{ip}:{free_port(ip)}"
 
     def setup(self, init_method: str, threads: int, driver: dict | None = None) -> dict:
         from hybrid_engine.models.sharding import init_group
