@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -31,14 +31,11 @@ from hybrid_engine.rollout.base import SamplingParams, step_seed
 from hybrid_engine.rollout.hf import HFRollout
 from hybrid_engine.rollout.multiturn import conversation_text, multi_turn_metrics
 
-if TYPE_CHECKING:
-    from hybrid_engine.engine import Engine
-
 EVAL_SEED_STEP = -2  # validation uses -1: a seed of its own
 
 
 @torch.no_grad()
-def validate(engine: Engine, samples: int = 0) -> dict[str, Any]:
+def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
     """Greedy (by default) generation on the held-out rows; accuracy = share scored 1.
     With `samples`, `_samples` holds the first ones: {prompt, response, score}."""
     rows = engine.data.val
@@ -101,7 +98,7 @@ def validate(engine: Engine, samples: int = 0) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate_policy(engine: Engine, k: int) -> dict[str, float]:
+def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     """`eval/*` metrics of the policy `engine.actor` holds, on `engine.data.val`."""
     cfg, rows = engine.cfg, engine.data.val
     if not rows:

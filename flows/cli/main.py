@@ -352,9 +352,7 @@ def replay(
         _fail(e)
     finally:
         if engine is not None and engine.pool is not None:
-            from hybrid_engine.pool.pool import down
-
-            down(engine.cfg.ray.pool_name, stop_head=False)
+            engine.pool.down(stop_head=False, keep_claim=False)
     if differ:
         raise typer.Exit(1)
 

@@ -245,8 +245,8 @@ class Pool:
         holds the pool all along."""
         return self.claim.turn(label) if self.claim is not None else contextlib.nullcontext()
 
-    def down(self, stop_head: bool = True) -> None:
-        down(self.name, stop_head, keep_claim=True)
+    def down(self, stop_head: bool = True, keep_claim: bool = True) -> None:
+        down(self.name, stop_head, keep_claim)
 
     def hold(self, claim: PoolClaim | None) -> None:
         """The claim the driver holds: every call checks it was not taken (`PoolTaken`)."""
