@@ -55,10 +55,6 @@ def test_precedence_defaults_yaml_env_override(tmp_path, monkeypatch):
             ["rollout.name=vllm", "rollout.multi_turn.enabled=true"],
             "rollout.multi_turn.enabled with rollout.name=vllm is not built yet",
         ),
-        (
-            ["rollout.name=vllm", "algorithm.filter_groups.enabled=true"],
-            "algorithm.filter_groups (dynamic sampling) with rollout.name=vllm is not built",
-        ),
         (["rollout.name=vllm", "actor.lora.rank=4"], "actor.lora.rank=4 with rollout.name=vllm"),
         (
             ["rollout.name=vllm", "actor.layout.rollout.separate_copy=true"],

@@ -9,6 +9,7 @@ from hybrid_engine.engine import Engine
 from hybrid_engine.rollout.dynamic_sampling import (
     DynamicSamplingExhausted,
     concat_rollouts,
+    round_metrics,
     round_prompts,
 )
 
@@ -161,3 +162,17 @@ def test_filtering_needs_groups():
                 "algorithm.adv_estimator=reinforce_plus_plus",
             ],
         )
+
+
+@pytest.mark.fast
+def test_round_metrics_add_seconds_keep_the_largest_maximum_and_average_the_rest():
+    rounds = [
+        {"timing_s/weight_sync": 0.5, "rollout/logprob_gap_max": 1e-6, "x/mean": 1.0},
+        {"rollout/logprob_gap_max": 3e-6, "x/mean": 3.0, "timing_s/reward": 2.0},
+    ]
+    assert round_metrics(rounds) == {
+        "timing_s/weight_sync": 0.5,
+        "rollout/logprob_gap_max": 3e-6,
+        "x/mean": 2.0,
+        "timing_s/reward": 2.0,
+    }

@@ -280,3 +280,29 @@ def test_a_redone_rollout_is_identical(engine):
     a, b = engine.rollout(7), engine.rollout(7)
     assert torch.equal(a["response_ids"], b["response_ids"])
     assert torch.equal(a["rollout_log_probs"], b["rollout_log_probs"])
+
+
+def test_dynamic_sampling_rounds_sample_as_the_whole_batch_and_report_the_gap(engine):
+    """DAPO's rounds on vLLM: a round's first prompts sample what they sample in the whole
+    batch (a seed per row), and the step's gap and weight push cover every round."""
+    part, whole = engine.rollout(9, n_prompts=2), engine.rollout(9)
+    n = 2 * engine.cfg.rollout.n
+    assert part["uid"] == whole["uid"][:n]
+    width = part["response_ids"].shape[1]
+    assert torch.equal(part["response_ids"], whole["response_ids"][:n, :width])
+    cfg = engine.cfg
+    engine.cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        [
+            *VLLM[:1],
+            "reward.function=reward_fns:half_solved",
+            "algorithm.filter_groups.enabled=true",
+        ],
+    )
+    try:
+        steps = [engine.step(1), engine.step(2)]
+    finally:
+        engine.cfg = cfg
+    for m in steps:  # half the groups are solved: more than one round
+        assert m["dynamic_sampling/rounds"] >= 2 and m["rollout/logprob_gap_max"] <= TOL
+    assert steps[1]["timing_s/weight_sync"] > 0  # the push after step 1's update

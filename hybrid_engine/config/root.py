@@ -356,10 +356,6 @@ class HybridConfig(BaseSettings):
             ),
             (r.multi_turn.enabled, f"rollout.multi_turn.enabled {why} is not built yet"),
             (bool(r.agent.function), f"rollout.agent.function {why} is not built yet"),
-            (
-                self.algorithm.filter_groups.enabled,
-                f"algorithm.filter_groups (dynamic sampling) {why} is not built yet",
-            ),
             (self.ray.rollout == "separate", f"ray.rollout=separate {why} is not built yet"),
             (
                 self.actor.lora.rank > 0,
