@@ -90,6 +90,17 @@ def reuse_freed_memory() -> bool:
     return all(libc.mallopt(option, value) for option, value in _KEEP_FREED.values())
 
 
+def update_settings(section: Any) -> dict[str, Any]:
+    """`ppo_updates`' settings from an actor or critic config section (mini-batches per rank)."""
+    return {
+        "epochs": section.ppo_epochs,
+        "mini_batch_size": section.ppo_mini_batch_size // world_size(),
+        "micro_batch_size": section.ppo_micro_batch_size,
+        "grad_clip": section.optim.grad_clip,
+        "skip_nonfinite": section.skip_nonfinite_steps,
+    }
+
+
 class ActorRolloutRef:
     """Policy in training layout, the rollout engine on its weights, and the reference.
 
@@ -282,11 +293,7 @@ class ActorRolloutRef:
                 batch,
                 loss_fn,
                 prefix="actor",
-                epochs=a.ppo_epochs,
-                mini_batch_size=a.ppo_mini_batch_size // world_size(),
-                micro_batch_size=a.ppo_micro_batch_size,
-                grad_clip=a.optim.grad_clip,
-                skip_nonfinite=a.skip_nonfinite_steps,
+                **update_settings(a),
             )
         except NonFiniteUpdate as e:
             step = self.weights_version + 1
@@ -432,11 +439,7 @@ class Critic:
             batch,
             loss_fn,
             prefix="critic",
-            epochs=c.ppo_epochs,
-            mini_batch_size=c.ppo_mini_batch_size // world_size(),
-            micro_batch_size=c.ppo_micro_batch_size,
-            grad_clip=c.optim.grad_clip,
-            skip_nonfinite=c.skip_nonfinite_steps,
+            **update_settings(c),
         )
 
     def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
