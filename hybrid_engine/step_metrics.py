@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from hybrid_engine.batch import Batch
@@ -22,6 +22,23 @@ def rollout_timings(meta: dict) -> dict[str, float]:
     the weights), and a backend's own metrics (vllm: `timing_s/weight_sync` and the log-prob
     gap to the trainer, `rollout/logprob_gap_mean` / `_max`)."""
     return {"timing_s/reshard": meta.get("reshard_s", 0.0), **meta.get("rollout_metrics", {})}
+
+
+def combined_metrics(calls: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Several generate calls' metrics (DAPO's rounds, multi-turn's turns) as one rollout's:
+    seconds (`timing_s/*`) add up, maxima (`*_max`) are the largest call's, the rest is the
+    mean over the calls that report it (e.g. vLLM's weight push, made by the first call
+    only, and its log-prob gap per call)."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for c in calls for k in c):
+        values = [c[key] for c in calls if key in c]
+        if key.startswith("timing_s/"):
+            out[key] = sum(values)
+        elif key.endswith("_max"):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
 
 
 def peak_rss_gb() -> float:

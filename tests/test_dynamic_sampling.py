@@ -9,9 +9,9 @@ from hybrid_engine.engine import Engine
 from hybrid_engine.rollout.dynamic_sampling import (
     DynamicSamplingExhausted,
     concat_rollouts,
-    round_metrics,
     round_prompts,
 )
+from hybrid_engine.step_metrics import combined_metrics
 
 ON = ["reward.function=reward_fns:half_solved", "algorithm.filter_groups.enabled=true"]
 
@@ -170,7 +170,7 @@ def test_round_metrics_add_seconds_keep_the_largest_maximum_and_average_the_rest
         {"timing_s/weight_sync": 0.5, "rollout/logprob_gap_max": 1e-6, "x/mean": 1.0},
         {"rollout/logprob_gap_max": 3e-6, "x/mean": 3.0, "timing_s/reward": 2.0},
     ]
-    assert round_metrics(rounds) == {
+    assert combined_metrics(rounds) == {
         "timing_s/weight_sync": 0.5,
         "rollout/logprob_gap_max": 3e-6,
         "x/mean": 2.0,

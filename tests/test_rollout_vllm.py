@@ -306,3 +306,19 @@ def test_dynamic_sampling_rounds_sample_as_the_whole_batch_and_report_the_gap(en
     for m in steps:  # half the groups are solved: more than one round
         assert m["dynamic_sampling/rounds"] >= 2 and m["rollout/logprob_gap_max"] <= TOL
     assert steps[1]["timing_s/weight_sync"] > 0  # the push after step 1's update
+
+
+def test_multi_turn_trajectories_on_vllm_keep_the_gap_on_every_turn(engine):
+    """The feedback environment's three turns, each one engine call on the whole context so
+    far: the trajectories' sampled tokens carry vLLM's log-probs, and the step's gap (the
+    largest over its turns) stays within TOL."""
+    cfg = engine.cfg
+    engine.cfg = load_config("configs/multiturn_tiny.yaml", VLLM)
+    try:
+        batch = engine.rollout(3)
+        m = engine.step(3)
+    finally:
+        engine.cfg = cfg
+    assert max(batch["turns"]) == 3 and batch["response_mask"].sum() < batch["attention_mask"].sum()
+    assert m["multi_turn/turns/mean"] > 1
+    assert m["rollout/logprob_gap_max"] <= TOL

@@ -354,7 +354,6 @@ class HybridConfig(BaseSettings):
                 "its log-probs would be of the truncated distribution, the trainer's of the full "
                 "one; set rollout.top_p=1 and rollout.top_k=0",
             ),
-            (r.multi_turn.enabled, f"rollout.multi_turn.enabled {why} is not built yet"),
             (bool(r.agent.function), f"rollout.agent.function {why} is not built yet"),
             (self.ray.rollout == "separate", f"ray.rollout=separate {why} is not built yet"),
             (

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hybrid_engine.batch import Batch
+from hybrid_engine.step_metrics import combined_metrics
 
 # fields of a rollout batch that are left-padded prompts, and the joined sequences
 _PROMPT = ("prompt_ids", "prompt_mask")
@@ -203,7 +204,7 @@ def dynamic_rollout(
         "gen_tokens": tokens,
         "gen_tokens_per_s": per_s,
         "metrics": {
-            **round_metrics([p.meta["metrics"] for p in parts]),
+            **combined_metrics([p.meta["metrics"] for p in parts]),
             "timing_s/gen": seconds,
             "perf/tokens_per_s_rollout": per_s,
             "dynamic_sampling/gen_batches": float(len(used)),
@@ -214,19 +215,3 @@ def dynamic_rollout(
         },
     }
     return batch
-
-
-def round_metrics(rounds: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The rounds' rollout metrics as one step's: seconds (`timing_s/*`) add up, maxima
-    (`*_max`) are the largest round's, the rest is the mean over the rounds that report it
-    (e.g. vLLM's weight push, in the first round only, and its log-prob gap per round)."""
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for r in rounds for k in r):
-        values = [r[key] for r in rounds if key in r]
-        if key.startswith("timing_s/"):
-            out[key] = sum(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out

@@ -29,6 +29,7 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.rewards import token_level_scores
 from hybrid_engine.rollout.base import PREFIX_COUNTS, SamplingParams
 from hybrid_engine.rollout.envs import Environment, Messages, make_environment
+from hybrid_engine.step_metrics import combined_metrics
 
 Generate = Callable[[Batch, SamplingParams], Batch]
 TURN_SEED_STRIDE = 1_000_003  # turn k samples with seed + (k - 1) * stride
@@ -140,7 +141,7 @@ def multi_turn_rollout(
         trajs.append(Trajectory(env, messages, tools, ids))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     closing = encode(tokenizer, turn_closing(tokenizer))
-    gen_s, turn_rows = 0.0, []
+    gen_s, turn_rows, turn_metrics, reshard_s = 0.0, [], [], 0.0
     prefix = dict.fromkeys(PREFIX_COUNTS, 0)
     for turn in range(1, max_turns + 1):
         active = [t for t in trajs if t.open]
@@ -158,6 +159,8 @@ def multi_turn_rollout(
         )
         out = generate(Batch(ctx), turn_sampling)
         gen_s += out.meta["gen_seconds"]
+        turn_metrics.append(out.meta.get("rollout_metrics", {}))  # a backend's own (vllm: the gap)
+        reshard_s += out.meta.get("reshard_s", 0.0)
         for key in prefix:
             prefix[key] += out.meta.get(key, 0)
         lps = out.tensors.get("rollout_log_probs")
@@ -207,7 +210,7 @@ def multi_turn_rollout(
         if callable(close := getattr(t.env, "close", None)):
             close()
     batch = trajectories_batch(prompts, trajs, pad, sampling.log_probs, gen_s, env_s, turn_rows)
-    batch.meta.update(prefix)
+    batch.meta.update(prefix, reshard_s=reshard_s, rollout_metrics=combined_metrics(turn_metrics))
     return batch
 
 
