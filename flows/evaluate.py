@@ -1,6 +1,6 @@
 """The `evaluate` flow: a policy on its run's held-out questions (greedy accuracy, pass@k,
 maj@k, response lengths, format), logged to MLflow as an evaluation run nested under the
-training run; for a registered version, the promotion gate (`storage.tracking.models.gate`).
+training run; for a registered version, the promotion gate (`storage.tracking.model_registry.gate`).
 
     evaluate(model="hybridrl-policy/3")      a registered version (NAME/VERSION, NAME@ALIAS,
                                              or models:/...), loaded back with one MLflow call
@@ -24,9 +24,9 @@ from hybrid_engine.config import HybridConfig, StorageConfig, config_from_dict
 from hybrid_engine.engine import Engine
 from hybrid_engine.evaluation import evaluate_policy
 from storage.store import RunStore
-from storage.tracking.runs import client_for, usable_uri
-from storage.tracking.runs import tracking_uri as default_tracking_uri
-from tasks.registry import IN_PROCESS
+from storage.tracking.tracker import client_for, usable_uri
+from storage.tracking.tracker import tracking_uri as default_tracking_uri
+from tasks.publish import IN_PROCESS
 
 
 def eval_run_name() -> str:
@@ -77,7 +77,7 @@ def evaluate(
     log_evaluation(client, doc, cfg, what, metrics)
     result: dict[str, Any] = {"evaluated": what, "metrics": metrics}
     if version is not None and promote:
-        from storage.tracking.models import gate
+        from storage.tracking.model_registry import gate
 
         promoted, why = gate(client, version.name, version.version, metrics, cfg.registry)
         logger.info("%s v%s %s", version.name, version.version, why)
@@ -103,7 +103,7 @@ def policy_engine(
     """An in-process engine on the run's config holding the policy to evaluate."""
     overrides = [*IN_PROCESS, f"storage.root={store.cfg.root}"]
     if version is not None:  # the registered policy, loaded back through MLflow
-        from storage.tracking.models import load
+        from storage.tracking.model_registry import load
 
         pipe = load(f"models:/{version.name}/{version.version}", tracking)
         pipe.model.save_pretrained(tmp)

@@ -40,9 +40,7 @@ from hybrid_engine.engine import Engine
 from storage.lineage import ForkPoint, fork_manifest
 from storage.semantics import SEMANTICS, as_recorded
 from storage.store import RunStore, new_run_id, validate_run_id
-from tasks.recovery import (
-    driver_record,
-)
+from tasks.driver_cleanup import driver_record
 
 # Who reads each config key, as the config's fields declare it (`json_schema_extra=reads(...)`):
 # "run" (every step), a stage, "update", or "where" (what a resume may change).

@@ -10,10 +10,8 @@ from flows.opening import code_version
 from hybrid_engine.config import HybridConfig
 from storage.final import history
 from storage.store import RunStore
-from storage.tracking.runs import Tracker
-from tasks.recovery import (
-    as_preempted,
-)
+from storage.tracking.tracker import Tracker
+from tasks.preemption import as_preempted
 
 SAMPLE_METRICS = ("critic/score/", "critic/rewards/", "response_length/", "rollout_corr/")
 

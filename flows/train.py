@@ -41,22 +41,16 @@ from hybrid_engine.errors import WorkerLostError
 from storage.faults import fault_point
 from storage.lease import RunLease
 from storage.store import RunStore, check_reach
-from storage.tracking.runs import mark_driver_lost
+from storage.tracking.tracker import mark_driver_lost
 from tasks.checkpoint import checkpoint, finish, restore
+from tasks.driver_cleanup import clean_up_after, driver_record
+from tasks.preemption import Preempted, as_preempted, preemption, rearm
 from tasks.progress import emit
-from tasks.recovery import (
-    CLOCK,
-    Preempted,
-    Recovery,
-    as_preempted,
-    clean_up_after,
-    driver_record,
-    preemption,
-    rearm,
-)
-from tasks.registry import announce, register_final
+from tasks.publish import announce, register_final
+from tasks.recovery import Recovery
 from tasks.restarts import chain_number, count_restart
 from tasks.retry import task_options
+from tasks.stage_clock import CLOCK
 from tasks.stages import advantage, reward, rollout, update, validate
 
 

@@ -36,6 +36,6 @@ class CallsAbandoned(BaseException):  # noqa: N818 - a stop, like KeyboardInterr
     running beside the update) gives up instead of holding the driver until it ends."""
 
 
-STOPPING = threading.Event()  # set by the driver's SIGTERM handler (tasks.recovery)
+STOPPING = threading.Event()  # set by the driver's SIGTERM handler (tasks.preemption)
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # the storage cannot take the object

@@ -58,7 +58,7 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 class _Critical(threading.local):
     """`with critical():` a storage write that a SIGTERM must not interrupt: the handler
-    (tasks.recovery.preemption) sees `depth` and leaves `pending` set, and the write's end
+    (tasks.preemption.preemption) sees `depth` and leaves `pending` set, and the write's end
     calls `on_exit`, which raises then. Per thread: the handler runs in the main thread and
     waits only for its writes (a rollout committing in another thread is not interrupted)."""
 

@@ -19,7 +19,7 @@ from hybrid_engine.engine import Engine
 from hybrid_engine.files import CorruptObject
 from storage.final import FINAL, history, save_final
 from storage.store import MARKER, RunStore, storage_options
-from tasks.recovery import CLOCK
+from tasks.stage_clock import CLOCK
 from tasks.stages import StageResult
 
 log = logging.getLogger("hybridrl.resume")

@@ -1,39 +1,27 @@
-"""Self-healing: what the `train` flow does when a worker dies or hangs, or the driver is told
-to stop.
+"""Self-healing: what the `train` flow does when a worker dies or hangs.
 
-    stage_limit(engine, stage)   a pool call of the stage that takes longer than
-                                 max(pipeline.stage_timeout_s, pipeline.stage_timeout_factor x
-                                 the slowest of the stage's last 5 wall times) is declared hung
-    Recovery.handle(error)       a dead or hung worker: count it, record it, back off, re-create
-                                 the pool; the flow then restores the last checkpoint and goes
-                                 on from the first uncommitted stage (committed updates are
-                                 replayed). Past pipeline.max_recoveries: RecoveryExhausted.
-    preemption()                 SIGTERM raises Preempted in the flow's thread; a commit in
-                                 progress finishes first (storage.store.critical), nothing is
-                                 left half-committed, the flow run ends in state "Preempted"
+    Recovery.handle(error)   a dead or hung worker (a stage past its limit,
+                             `tasks.stage_clock`): count it, record it, back off, re-create
+                             the pool; the flow then restores the last checkpoint and goes
+                             on from the first uncommitted stage (committed updates are
+                             replayed). Past pipeline.max_recoveries: RecoveryExhausted.
 
 Every stage is idempotent and committed, so a recovery loses at most the stage in progress.
+SIGTERM is `tasks.preemption`; servers a killed driver left, `tasks.driver_cleanup`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import socket
-import threading
 import time
-from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections import defaultdict
 from typing import Any
 
-import psutil
-
-from hybrid_engine import STAGES
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.engine import Engine
-from hybrid_engine.errors import STOPPING, WorkerLostError
+from hybrid_engine.errors import WorkerLostError
 from storage.store import RunStore, critical
+from tasks.stage_clock import CLOCK
 
 log = logging.getLogger("hybridrl.recovery")
 
@@ -42,85 +30,6 @@ class RecoveryExhausted(RuntimeError):
     """More worker faults than pipeline.max_recoveries: the run stops; a resume continues it."""
 
 
-class Preempted(BaseException):
-    """SIGTERM reached the driver. A BaseException, like KeyboardInterrupt: no `except
-    Exception` on the way (a task's retry, a library's fallback) may swallow it."""
-
-
-# ---------------------------------------------------------------------- stage time limits
-class StageClock:
-    """Recent wall times of each stage in this process (a skipped stage counts with the wall
-    time stored with it, so a resumed or recovered run is sized from the start)."""
-
-    def __init__(self) -> None:
-        self.walls: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=5))
-        self._here = threading.local()  # per thread: a rollout may run beside the update
-
-    @property
-    def where(self) -> str:
-        """The stage this thread runs now, e.g. "step-3/update"."""
-        return getattr(self._here, "where", "")
-
-    @where.setter
-    def where(self, value: str) -> None:
-        self._here.where = value
-
-    @property
-    def step(self) -> int:
-        return getattr(self._here, "step", 0)
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self._here.step = value
-
-    def record(self, stage: str, seconds: float) -> None:
-        if seconds > 0:
-            self.walls[stage].append(seconds)
-
-    def seed(self, store: RunStore, step: int) -> None:
-        """Stages without a wall time in this process (a resumed run) take those stored
-        with the committed stages of the five steps before `step`."""
-        for stage in (*STAGES, "validate"):
-            if self.walls[stage]:
-                continue
-            for s in range(max(0, step - 5), step):
-                if store.is_committed(s, stage):
-                    try:  # a timing hint: a corrupted record is skipped (load_stage reports it)
-                        meta = store.get_json(f"{store.stage_dir(s, stage)}/meta.json") or {}
-                        self.record(stage, float(meta.get("wall_s", 0.0)))
-                    except (ValueError, TypeError, OSError):
-                        continue
-
-    def limit(self, stage: str, cfg: HybridConfig) -> tuple[float, str]:
-        """(seconds, how they were sized). Before the stage has a wall time of its own (its
-        first run warms up): ray.call_timeout_s."""
-        p = cfg.pipeline
-        if not self.walls[stage]:
-            return cfg.ray.call_timeout_s, f"ray.call_timeout_s: no {stage} timed yet"
-        slowest = max(self.walls[stage])
-        seconds = max(p.stage_timeout_s, p.stage_timeout_factor * slowest)
-        return seconds, (
-            f"max(pipeline.stage_timeout_s={p.stage_timeout_s:g}, "
-            f"pipeline.stage_timeout_factor={p.stage_timeout_factor:g} x {slowest:.1f} s)"
-        )
-
-
-CLOCK = StageClock()
-
-
-@contextlib.contextmanager
-def stage_limit(engine: Engine, step: int, stage: str) -> Iterator[None]:
-    """Run a stage under its time limit (pool only: in-process roles cannot hang apart)."""
-    CLOCK.where, CLOCK.step = f"step-{step}/{stage}", step
-    if engine.pool is None:
-        yield
-        return
-    seconds, why = CLOCK.limit(stage, engine.cfg)
-    with engine.pool.time_limit(seconds, why):
-        yield
-
-
-# -------------------------------------------------------------------------- recovery
 class Recovery:
     """Counts and records worker faults of one flow run, and heals the pool after each."""
 
@@ -202,114 +111,3 @@ class Recovery:
         from prefect.runtime import flow_run
 
         return flow_run.id
-
-
-# ------------------------------------------------------------------------- preemption
-@contextlib.contextmanager
-def preemption() -> Iterator[None]:
-    """While the block runs, SIGTERM raises Preempted in this thread (after a commit in
-    progress, which `critical()` holds it back for). Off the main thread (where Python
-    cannot take signals) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        _term_at[:] = [CLOCK.where or "start-up"]
-        STOPPING.set()  # a rollout waited for in another thread gives up
-        critical.pending = True
-        if not critical.depth:
-            critical.pending = False
-            raise Preempted(f"SIGTERM at {CLOCK.where or 'start-up'}")
-
-    STOPPING.clear()
-    _term_at.clear()
-    before = signal.signal(signal.SIGTERM, on_term)
-    critical.on_exit = _raise_pending
-    _armed.append(on_term)
-    try:
-        yield
-    finally:
-        _armed.remove(on_term)
-        signal.signal(signal.SIGTERM, before)
-        critical.on_exit = None
-
-
-_armed: list[Any] = []
-_term_at: list[str] = []  # where the SIGTERM of this `preemption()` block arrived
-
-
-def as_preempted(e: BaseException) -> Preempted | None:
-    """`e` as the preemption it is: Preempted itself, or the error Prefect's engine made of
-    it when the SIGTERM landed inside the engine's own code (a task run's state handling
-    raises e.g. "Task run is not set"); None when no SIGTERM arrived."""
-    if isinstance(e, Preempted):
-        return e
-    if _term_at:
-        return Preempted(f"SIGTERM at {_term_at[0]} ({type(e).__name__} in Prefect's engine)")
-    return None
-
-
-def rearm() -> None:
-    """Put our SIGTERM handler back (`ray.init` installs its own, which exits the process)."""
-    if _armed and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _armed[-1])
-
-
-def _raise_pending() -> None:
-    if critical.pending:
-        critical.pending = False
-        raise Preempted(f"SIGTERM at {CLOCK.where or 'start-up'}")
-
-
-# ------------------------------------------------- what a killed driver left behind
-def driver_record() -> dict[str, Any]:
-    """This driver and the servers it started (Prefect's ephemeral API is a child process):
-    kept in run.json, so the next driver of the run can end what a SIGKILL left running."""
-    me = psutil.Process()
-    servers = []
-    for child in me.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            cmd = " ".join(child.cmdline())
-            if "uvicorn" in cmd or "prefect" in cmd:
-                servers.append({"pid": child.pid, "started": child.create_time()})
-    return {
-        "host": socket.gethostname(),
-        "pid": me.pid,
-        "started": me.create_time(),
-        "servers": servers,
-    }
-
-
-def clean_up_after(previous: dict[str, Any] | None) -> list[int]:
-    """End the servers a dead driver of this run left on this machine (same pid and start
-    time: a reused pid is left alone). Returns the pids ended."""
-    if not previous or previous.get("host") != socket.gethostname():
-        return []
-    if _alive(previous["pid"], previous["started"]):
-        return []  # that driver still runs (another resume of the same run?): not ours to end
-    ended = []
-    for server in previous.get("servers", []):
-        if _alive(server["pid"], server["started"]):
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(server["pid"])
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except psutil.TimeoutExpired:
-                    proc.kill()
-                ended.append(server["pid"])
-    if ended:
-        log.warning(
-            "ended the Prefect server process(es) %s left by the killed driver (pid %d)",
-            ended,
-            previous["pid"],
-        )
-    return ended
-
-
-def _alive(pid: int, started: float) -> bool:
-    try:
-        return abs(psutil.Process(pid).create_time() - started) < 1.0
-    except psutil.Error:
-        return False

@@ -35,7 +35,7 @@ from hybrid_engine.step_metrics import finish_step, peak_rss_gb
 from storage.faults import fault_batch, fault_point
 from storage.store import RunStore
 from tasks.progress import emit
-from tasks.recovery import CLOCK, stage_limit
+from tasks.stage_clock import CLOCK, stage_limit
 
 # the last update each engine applied to its weights, {step, meta}: a retried commit uses it
 APPLIED: weakref.WeakKeyDictionary[Engine, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -48,7 +48,7 @@ class StageOrderError(RuntimeError):
 def stage_task(fn):  # noqa: ANN001, ANN201 - decorator
     """A stage task: named `step-<N>/<stage>`, no Prefect caching (storage decides), its
     start and end announced to progress listeners (`tasks.progress`), its pool calls under
-    the stage's time limit (`tasks.recovery`)."""
+    the stage's time limit (`tasks.stage_clock`)."""
 
     signature = inspect.signature(fn)
 

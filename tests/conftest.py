@@ -79,7 +79,7 @@ def s3_endpoint():
 def reference_run(tmp_path_factory, prefect_api):
     """The uninterrupted 4-step run of the pipeline tests (local storage, in-process roles):
     (storage root, its final state). Forks of it live beside it (tests/test_fork.py)."""
-    from runs import ARGS, driver, final_state, fs_for
+    from run_driver import ARGS, driver, final_state, fs_for
 
     root = str(tmp_path_factory.mktemp("ref"))
     rc, out = driver(

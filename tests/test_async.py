@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import (
+from run_driver import (
     ARGS,
     STEPS,
     assert_same_run,

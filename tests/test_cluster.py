@@ -17,7 +17,7 @@ from unittest.mock import patch
 import pytest
 from conftest import PRISTINE_ENV
 from drivers import Driver
-from runs import driver, wait_for
+from run_driver import driver, wait_for
 from test_pool import SIGNAL, WAVES, cfg  # the pool tests' config for a named pool
 from weights import assert_same_grad_norms, assert_same_weights
 

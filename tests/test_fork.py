@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from runs import ARGS, assert_same_run, driver, final_state, fs_for
+from run_driver import ARGS, assert_same_run, driver, final_state, fs_for
 
 from hybrid_engine import STAGES
 from hybrid_engine.config import StorageConfig, load_config

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from conftest import PRISTINE_ENV, S3_ENV
 from drivers import Driver
-from runs import ARGS, ROOT, assert_same_run, final_state, fs_for, wait_for
+from run_driver import ARGS, ROOT, assert_same_run, final_state, fs_for, wait_for
 
 from hybrid_engine.config import StorageConfig
 from storage.lease import DIR, LeaseHeld, RunLease
@@ -143,7 +143,7 @@ def test_resume_while_the_run_trains_is_refused_and_the_run_is_unchanged(
 
 @pytest.mark.fast
 def test_deleting_a_run_that_trains_is_refused(tmp_path):
-    from storage.runs import delete_run
+    from storage.catalog import delete_run
 
     cfg = StorageConfig(root=str(tmp_path / "runs"))
     store = RunStore(cfg, "r1")

@@ -18,7 +18,7 @@ import time
 
 from conftest import PRISTINE_ENV, S3_ENV
 from drivers import Driver
-from runs import (
+from run_driver import (
     ARGS,
     KILLS,
     ROOT,

@@ -11,7 +11,7 @@ import signal
 import time
 
 import torch
-from runs import ARGS, STEPS, driver, fs_for
+from run_driver import ARGS, STEPS, driver, fs_for
 from safetensors.torch import load as st_load
 from test_agent import Log, engine_for, rows_of
 

@@ -9,7 +9,7 @@ import json
 import signal
 
 import torch
-from runs import ARGS, STEPS, comparable, driver, final_state, fs_for, rollout_markers
+from run_driver import ARGS, STEPS, comparable, driver, final_state, fs_for, rollout_markers
 from safetensors.torch import load as st_load
 
 MULTI = [*ARGS, "rollout.multi_turn.environment=env_fns:TwoTurns"]

@@ -8,7 +8,7 @@ import json
 import signal
 
 import torch
-from runs import ARGS, STEPS, comparable, driver, final_state, fs_for
+from run_driver import ARGS, STEPS, comparable, driver, final_state, fs_for
 
 DYNAMIC = [*ARGS, "reward.function=reward_fns:half_solved", "algorithm.filter_groups.enabled=true"]
 

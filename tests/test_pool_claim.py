@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import PRISTINE_ENV
 from drivers import Driver
-from runs import ARGS, ROOT, driver, own_ray_head, wait_for
+from run_driver import ARGS, ROOT, driver, own_ray_head, wait_for
 
 HOLD = """
 import sys, time

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import PRISTINE_ENV
 from drivers import Driver
-from runs import ARGS, ROOT, driver, final_state, fs_for, own_ray_head, wait_for
+from run_driver import ARGS, ROOT, driver, final_state, fs_for, own_ray_head, wait_for
 
 POOL = ["trainer.backend=ray", "ray.call_timeout_s=120", "rollout.continuous_batching=false"]
 SHARE = [*POOL, "ray.pool_name=shared", "ray.when_busy=share"]

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from runs import ARGS, ROOT, assert_same_run, driver, final_state, fs_for, own_ray_head
+from run_driver import ARGS, ROOT, assert_same_run, driver, final_state, fs_for, own_ray_head
 
 POOL = [
     "trainer.backend=ray",
@@ -224,7 +224,7 @@ def test_a_resume_ends_the_prefect_server_a_sigkilled_driver_left(tmp_path):
     import sys
 
     import psutil
-    from runs import ROOT
+    from run_driver import ROOT
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PREFECT_HOME": str(tmp_path / "ph")}
     env.pop("PREFECT_API_URL", None)

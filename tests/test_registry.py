@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runs import ARGS, driver
+from run_driver import ARGS, driver
 from safetensors.torch import load_file
 
 
@@ -100,7 +100,7 @@ def test_evaluate_then_the_gate_promotes_the_first_and_refuses_an_equal_second(
 def test_the_gate_checks_accuracy_margin_format_and_lengths(tmp_path):
     """The gate on real registered versions (sources need not load: it reads tags)."""
     from hybrid_engine.config import RegistryConfig
-    from storage.tracking.models import gate
+    from storage.tracking.model_registry import gate
 
     c = client(f"sqlite:///{tmp_path}/mlflow.db")
     c.create_registered_model("m")

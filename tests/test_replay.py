@@ -4,7 +4,7 @@ reported by name with its largest difference."""
 
 from __future__ import annotations
 
-from runs import ARGS, driver
+from run_driver import ARGS, driver
 
 from hybrid_engine.config import StorageConfig
 from storage.store import RunStore

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 import torch
-from runs import driver, final_state, fs_for, own_ray_head
+from run_driver import driver, final_state, fs_for, own_ray_head
 
 from hybrid_engine.config import load_config
 from hybrid_engine.data import prompt_batch

@@ -3,7 +3,7 @@ a run written at commit 6b451b0 (before the Engine's concerns moved out), killed
 rollout started; made from that checkout with
 
     PYTHONPATH=tests HYBRIDRL_FAULT="step-3/rollout:start=kill" hybridrl train \
-        configs/grpo_tiny.yaml <tests/runs.py ARGS, with trainer.save_freq=0> \
+        configs/grpo_tiny.yaml <tests/run_driver.py ARGS, with trainer.save_freq=0> \
         tracking.enabled=false storage.root=ROOT --run-id stored-v1
 
 It holds no checkpoint (save_freq 0), so its weights come back by replaying its stored
@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from runs import assert_same_run, driver, final_state, fs_for
+from run_driver import assert_same_run, driver, final_state, fs_for
 
 STORED = Path(__file__).parent / "data" / "stored-v1"
 

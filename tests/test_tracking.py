@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from hybrid_engine.config import load_config
 from storage.store import RunStore
-from storage.tracking.runs import Tracker
+from storage.tracking.tracker import Tracker
 
 
 @pytest.fixture

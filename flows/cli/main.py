@@ -102,7 +102,7 @@ def _run_flow(
 
             run_id = validate_run_id(run_id or cfg.trainer.run_id or new_run_id(config))
             if cfg.tracking.enabled:  # a server that is down: seconds, not minutes
-                from storage.tracking.runs import check_tracking, tracking_uri
+                from storage.tracking.tracker import check_tracking, tracking_uri
 
                 check_tracking(tracking_uri(cfg))
             from flows.cli.preflight import preflight

@@ -56,7 +56,7 @@ def register(
     try:
         from flows.opening import resumed_config
         from storage.store import RunStore
-        from tasks.registry import register_checkpoint, register_final
+        from tasks.publish import register_checkpoint, register_final
 
         cfg = resumed_config(run_id, as_overrides(storage_root, tracking_uri))
         store = RunStore(cfg.storage, run_id)

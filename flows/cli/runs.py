@@ -33,7 +33,7 @@ def runs_list(tracking_uri: TrackingUri = None, experiment: Experiment = "hybrid
 
     from rich.table import Table
 
-    from storage.tracking.runs import TrackingUnavailable, list_runs
+    from storage.tracking.tracker import TrackingUnavailable, list_runs
 
     try:
         runs = list_runs(tracking_uri, experiment)
@@ -65,7 +65,7 @@ def runs_show(
     run_id: str, tracking_uri: TrackingUri = None, experiment: Experiment = "hybridrl"
 ) -> None:
     """One run: tags (storage, checkpoint, Prefect flow run) and its last metrics."""
-    from storage.tracking.runs import TrackingUnavailable, find_run
+    from storage.tracking.tracker import TrackingUnavailable, find_run
 
     try:
         run = find_run(tracking_uri, run_id, experiment)
@@ -88,7 +88,7 @@ def runs_compare(
     """Two runs side by side: the config keys that differ, then their last metrics."""
     from rich.table import Table
 
-    from storage.tracking.runs import (
+    from storage.tracking.tracker import (
         CURVE_KEYS,
         TrackingUnavailable,
         compare,
@@ -139,7 +139,7 @@ def runs_tree(run_id: str, storage_root: StorageRoot = None) -> None:
     fork point and what the fork changed. Read from storage (run.json of each run)."""
     from rich.tree import Tree
 
-    from storage.runs import runs_under
+    from storage.catalog import runs_under
 
     runs = runs_under(_storage(storage_root))
     if run_id not in runs:
@@ -179,7 +179,7 @@ def runs_delete(
     """Delete a run's stored stages, checkpoints and final policy, except what its forks
     still reference (kept, and removed with the last fork that uses it); its MLflow run is
     marked deleted. A deleted run cannot be resumed or forked."""
-    from storage.runs import delete_run
+    from storage.catalog import delete_run
     from storage.store import RunStore
 
     cfg = _storage(storage_root)
@@ -201,7 +201,7 @@ def runs_delete(
         console.print(f"removed deleted run {parent}: no fork uses its objects any more")
     if doc.get("mlflow_run_id") and doc.get("mlflow_tracking_uri"):
         try:
-            from storage.tracking.runs import client_for
+            from storage.tracking.tracker import client_for
 
             client_for(doc["mlflow_tracking_uri"]).delete_run(doc["mlflow_run_id"])
             console.print(f"MLflow run {doc['mlflow_run_id']} marked deleted")

@@ -25,7 +25,7 @@ from typing import Any
 
 from hybrid_engine.config import HybridConfig
 from storage.store import RunStore
-from storage.tracking.runs import client_for, tracking_uri, usable_uri
+from storage.tracking.tracker import client_for, tracking_uri, usable_uri
 
 log = logging.getLogger("hybridrl.registry")
 CHAMPION = "champion"

@@ -29,7 +29,7 @@ IN_PROCESS = ["trainer.backend=local", "trainer.max_staleness=0", "ray.rollout=c
 def _registered(cfg: HybridConfig, store: RunStore, source: str, step: int) -> Any | None:
     """The version this run already registered from `source` at `step` (a resumed finished
     run must not register it twice)."""
-    from storage.tracking.runs import client_for
+    from storage.tracking.tracker import client_for
 
     doc = store.read_run() or {}
     client = client_for(doc.get("mlflow_tracking_uri"))
@@ -53,7 +53,7 @@ def register_final(cfg: HybridConfig, store: RunStore) -> dict[str, str] | None:
     step = rows[-1]["step"] if rows else 0
     version = _registered(cfg, store, FINAL, step)
     if version is None:
-        from storage.tracking.models import register
+        from storage.tracking.model_registry import register
 
         metrics = {k: v for row in rows for k, v in row.items() if k.startswith("val/")}
         with tempfile.TemporaryDirectory(prefix="hybridrl-register-") as tmp:
@@ -70,7 +70,7 @@ def register_checkpoint(cfg: HybridConfig, store: RunStore, step: int) -> Any:
     """Checkpoint step_N's policy as a model version (`hybridrl register RUN --step N`)."""
     from hybrid_engine.config import config_from_dict
     from hybrid_engine.engine import Engine
-    from storage.tracking.models import register
+    from storage.tracking.model_registry import register
     from tasks.checkpoint import load_checkpoint
 
     source = store.checkpoint_dir(step)
