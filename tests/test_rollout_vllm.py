@@ -22,7 +22,9 @@ from hybrid_engine.rollout import vllm_env
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.vllm import (
     assemble_outputs,
+    bind_count,
     check_engine,
+    cores,
     engine_model_dir,
     gap_metrics,
     strip_left_padding,
@@ -215,6 +217,19 @@ def engine(tmp_path_factory):
         else:
             os.environ["HYBRIDRL_RAY_STATE"] = old
     assert not left, f"engine {pid} outlived close()"
+
+
+@pytest.mark.fast
+def test_threads_bind_is_counted_and_a_bad_list_is_refused_naming_the_key():
+    assert [bind_count(s) for s in ("0-1", "0,2-3", "5")] == [2, 3, 1]
+    with pytest.raises(ValueError, match="rollout.vllm.threads_bind='all'"):
+        load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=all"])
+
+
+def test_the_engine_runs_one_torch_thread_per_bound_core(engine):
+    """Ray starts a num_cpus=0 actor with OMP_NUM_THREADS=1; left so, vLLM decodes on one
+    thread (134 against 235 tok/s on a 2-core EPYC)."""
+    assert engine.actor.rollout.info["threads"] == bind_count(cores())
 
 
 def test_training_steps_keep_vllm_and_trainer_log_probs_together(engine):

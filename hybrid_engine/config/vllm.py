@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import re
+
+from pydantic import Field, field_validator
 
 from hybrid_engine.config.base import Section
 
@@ -28,3 +30,12 @@ class VLLMSettings(Section):
     start_timeout_s: float = Field(
         600, gt=0, description="longest wait for the engine to load (it is refused after it)"
     )
+
+    @field_validator("threads_bind")
+    @classmethod
+    def _core_list(cls, v: str) -> str:
+        if v and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", v):
+            raise ValueError(
+                f"rollout.vllm.threads_bind={v!r}: expected core ids and ranges such as 0-1 or 0,2-3"
+            )
+        return v

@@ -80,6 +80,7 @@ class VLLMServer:
             "pid": os.getpid(),
             "vllm": vllm.__version__,
             "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
             "load_seconds": self.load_seconds,
         }
 
