@@ -82,6 +82,17 @@ def test_assemble_outputs_pads_masks_through_first_eos_and_zeroes_padding():
 
 
 @pytest.mark.fast
+def test_threads_bind_is_counted_and_a_bad_list_is_refused_naming_the_key():
+    assert [bind_count(s) for s in ("0-1", "0,2-3", "5")] == [2, 3, 1]
+    one = load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=5"])
+    assert one.rollout.vllm.threads_bind == "5"
+    with pytest.raises(ValueError, match="rollout.vllm.threads_bind='all'"):
+        load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=all"])
+    with pytest.raises(ValueError, match="rollout.vllm.threads_bind='3-1'"):
+        load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=3-1"])
+
+
+@pytest.mark.fast
 def test_sampling_kwargs_seed_each_row_by_its_global_index():
     sp = SamplingParams(max_new_tokens=7, temperature=0.8, seed=100)
     kws = vllm_sampling_kwargs(sp, eos_token_id=2, row_offset=6, num_rows=3)
@@ -217,13 +228,6 @@ def engine(tmp_path_factory):
         else:
             os.environ["HYBRIDRL_RAY_STATE"] = old
     assert not left, f"engine {pid} outlived close()"
-
-
-@pytest.mark.fast
-def test_threads_bind_is_counted_and_a_bad_list_is_refused_naming_the_key():
-    assert [bind_count(s) for s in ("0-1", "0,2-3", "5")] == [2, 3, 1]
-    with pytest.raises(ValueError, match="rollout.vllm.threads_bind='all'"):
-        load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=all"])
 
 
 def test_the_engine_runs_one_torch_thread_per_bound_core(engine):

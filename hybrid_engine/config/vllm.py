@@ -31,11 +31,18 @@ class VLLMSettings(Section):
         600, gt=0, description="longest wait for the engine to load (it is refused after it)"
     )
 
-    @field_validator("threads_bind")
+    @field_validator("threads_bind", mode="before")
     @classmethod
-    def _core_list(cls, v: str) -> str:
-        if v and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", v):
+    def _core_list(cls, v: object) -> object:
+        if isinstance(v, int) and not isinstance(v, bool):  # one core, read as a number
+            v = str(v)
+        if not isinstance(v, str):
+            return v  # the field's own type check answers
+        ranges = [m.groups() for m in re.finditer(r"(\d+)(?:-(\d+))?(,|$)", v)]
+        parsed = ",".join(f"{lo}-{hi}" if hi else lo for lo, hi, _ in ranges)
+        if parsed != v or any(hi and int(hi) < int(lo) for lo, hi, _ in ranges):
             raise ValueError(
-                f"rollout.vllm.threads_bind={v!r}: expected core ids and ranges such as 0-1 or 0,2-3"
+                f"rollout.vllm.threads_bind={v!r}: expected core ids and ascending ranges "
+                "such as 0-1 or 0,2-3"
             )
         return v
