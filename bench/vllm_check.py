@@ -36,6 +36,7 @@ def main() -> int:
     from hybrid_engine.data import prompt_batch
     from hybrid_engine.engine import Engine
     from hybrid_engine.rollout.base import SamplingParams
+    from hybrid_engine.step_metrics import gap_metrics
 
     cfg = load_config(args.preset, ["rollout.name=vllm", *args.overrides])
     results: list[tuple[str, bool, str]] = []
@@ -72,7 +73,9 @@ def main() -> int:
     actor.weights_version += 1
     changed = greedy() != before
     out = actor.generate(prompts.repeat_interleave(cfg.rollout.n), sampled)
-    gap = out.meta["rollout_metrics"]["rollout/logprob_gap_max"]
+    fresh = actor.compute_log_prob(out)  # the trainer's forward on what vLLM sampled
+    lps = out["rollout_log_probs"], fresh["old_log_probs"], out["response_mask"]
+    gap = gap_metrics(*lps)["rollout/logprob_gap_max"]
     results.append(("perturbed weights change greedy outputs", changed, ""))
     results.append((f"perturbed weights: gap <= {TOL}", gap <= TOL, f"gap max {gap:.2e}"))
     actor.policy.load_state_dict(original)

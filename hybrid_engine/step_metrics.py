@@ -7,6 +7,8 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
+
 from hybrid_engine.batch import Batch
 
 
@@ -19,8 +21,7 @@ def timer(metrics: dict[str, float], name: str) -> Iterator[None]:
 
 def rollout_timings(meta: dict) -> dict[str, float]:
     """What a generate call reports about itself: `timing_s/reshard` (gathering or pushing
-    the weights), and a backend's own metrics (vllm: `timing_s/weight_sync` and the log-prob
-    gap to the trainer, `rollout/logprob_gap_mean` / `_max`)."""
+    the weights), and a backend's own metrics (vllm: `timing_s/weight_sync`)."""
     return {"timing_s/reshard": meta.get("reshard_s", 0.0), **meta.get("rollout_metrics", {})}
 
 
@@ -28,7 +29,7 @@ def combined_metrics(calls: Sequence[dict[str, float]]) -> dict[str, float]:
     """Several generate calls' metrics (DAPO's rounds, multi-turn's turns) as one rollout's:
     seconds (`timing_s/*`) add up, maxima (`*_max`) are the largest call's, the rest is the
     mean over the calls that report it (e.g. vLLM's weight push, made by the first call
-    only, and its log-prob gap per call)."""
+    only)."""
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for c in calls for k in c):
         values = [c[key] for c in calls if key in c]
@@ -39,6 +40,24 @@ def combined_metrics(calls: Sequence[dict[str, float]]) -> dict[str, float]:
         else:
             out[key] = sum(values) / len(values)
     return out
+
+
+def gap_metrics(
+    rollout_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Mean and max |rollout - trainer| log-prob over the sampled tokens (mask 1)."""
+    return gap_summary([(rollout_log_probs - trainer_log_probs).abs()[mask.bool()]])
+
+
+def gap_summary(diffs: Sequence[torch.Tensor]) -> dict[str, float]:
+    """`rollout/logprob_gap_mean` / `_max` over per-token gaps gathered in pieces."""
+    diff = torch.cat([d.float().flatten() for d in diffs]) if diffs else torch.zeros(0)
+    if diff.numel() == 0:
+        return {}
+    return {
+        "rollout/logprob_gap_mean": float(diff.mean()),
+        "rollout/logprob_gap_max": float(diff.max()),
+    }
 
 
 def peak_rss_gb() -> float:

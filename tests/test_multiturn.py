@@ -348,6 +348,7 @@ def test_dynamic_sampling_and_rollout_correction_take_trajectories():
     # the rollout log-probs of policy tokens equal the trainer's on the CPU (observations: 0 and 0)
     assert abs(metrics["rollout_corr/rollout_is_mean"] - 1.0) < 1e-3
     assert metrics["rollout_corr/kl"] < 1e-5
+    assert metrics["rollout/logprob_gap_max"] < 1e-3  # the step logs the gap itself
 
 
 def test_a_template_that_takes_tools_renders_them_and_gets_tool_messages(engine, prompts):

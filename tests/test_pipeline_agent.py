@@ -100,6 +100,7 @@ def test_an_agents_own_temperature_is_trained_at_it():
     mask = batch["response_mask"].bool()
     gap = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs()
     assert float(gap.max()) < 1e-4
+    assert batch.meta["metrics"]["rollout/logprob_gap_max"] == float(gap.max())  # logged
     temps = batch["response_temperature"][mask]
     assert set(temps.unique().tolist()) == {0.5, 1.0}  # 1.0: the greedy call's tokens
     # the update's log-probs (one mini-batch: before any optimizer step) equal the old ones

@@ -17,7 +17,7 @@ from run_driver import driver, final_state, fs_for, own_ray_head
 from hybrid_engine.config import load_config
 from hybrid_engine.data import prompt_batch
 from hybrid_engine.models.sharding import engine_weights
-from hybrid_engine.pool.dispatch import merge_meta
+from hybrid_engine.pool.dispatch import mean_metrics
 from hybrid_engine.rollout import vllm_env
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.vllm import (
@@ -26,10 +26,10 @@ from hybrid_engine.rollout.vllm import (
     check_engine,
     cores,
     engine_model_dir,
-    gap_metrics,
     strip_left_padding,
     vllm_sampling_kwargs,
 )
+from hybrid_engine.step_metrics import gap_metrics, gap_summary
 
 VLLM = ["rollout.name=vllm", "reward.function=reward_fns:length_score"]
 TOL = 1e-3  # fp32: measured ~2e-6 healthy; a stale LM head is off by far more
@@ -116,14 +116,18 @@ def test_engine_weights_push_the_tied_lm_head_under_its_own_name(tiny_cfg, token
 
 @pytest.mark.fast
 def test_gap_metrics_and_their_merge_over_ranks():
+    """The gap over the masked tokens, the same when gathered micro-batch by micro-batch;
+    over the ranks the means average and the maxima take the largest."""
     mask = torch.tensor([[1, 1, 0]])
     m = gap_metrics(torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), mask)
     assert m == {"rollout/logprob_gap_mean": 0.25, "rollout/logprob_gap_max": 0.5}
-    other = {"rollout/logprob_gap_mean": 0.75, "rollout/logprob_gap_max": 0.75}
-    merged = merge_meta([{"rollout_metrics": m}, {"rollout_metrics": other}])
-    assert merged["rollout_metrics"] == {
+    assert gap_summary([torch.tensor([0.5]), torch.tensor([0.0])]) == m
+    assert gap_summary([]) == {}
+    other = {"rollout/logprob_gap_mean": 0.75, "rollout/logprob_gap_max": 0.75, "a/x": 1.0}
+    assert mean_metrics([m | {"a/x": 0.0}, other]) == {
         "rollout/logprob_gap_mean": 0.5,
         "rollout/logprob_gap_max": 0.75,
+        "a/x": 0.5,
     }
 
 
@@ -239,10 +243,19 @@ def test_the_engine_runs_one_torch_thread_per_bound_core(engine):
 def test_training_steps_keep_vllm_and_trainer_log_probs_together(engine):
     """Several steps of real training: after every update the weights are pushed into the
     running engine (timed), and vLLM's log-probs of the tokens it sampled equal the
-    trainer's fresh forward to TOL."""
+    trainer's to TOL, measured on forwards the step runs anyway: the advantage stage's old
+    log-probs (two mini-batches), or the single on-policy update's own (no old log-probs)."""
     start = engine.actor.weights_version
-    for step in (1, 2, 3):
-        m = engine.step(step)
+    single = load_config("configs/grpo_tiny.yaml", [*VLLM, "actor.ppo_mini_batch_size=16"])
+    for step, cfg in ((1, engine.cfg), (2, engine.cfg), (3, single)):
+        before, engine.cfg = engine.cfg, cfg
+        engine.actor.configure(cfg)
+        try:
+            m = engine.step(step)
+        finally:
+            engine.cfg = before
+            engine.actor.configure(before)
+        assert ("timing_s/old_log_prob" in m) == (step < 3)
         assert m["rollout/logprob_gap_max"] <= TOL, (step, m["rollout/logprob_gap_max"])
         assert 0 <= m["rollout/logprob_gap_mean"] <= m["rollout/logprob_gap_max"]
         assert m["timing_s/weight_sync"] > 0  # a push before every step's rollout
@@ -262,8 +275,13 @@ def _greedy(engine, prompts) -> list[list[int]]:
 
 
 def _sampled_gap(engine, prompts) -> float:
+    """vLLM's log-probs of what it sampled against the trainer's forward on them."""
     out = engine.actor.generate(prompts.repeat_interleave(4), SamplingParams(8, seed=5))
-    return out.meta["rollout_metrics"]["rollout/logprob_gap_max"]
+    fresh = engine.actor.compute_log_prob(out)
+    mask = out["response_mask"]
+    return gap_metrics(out["rollout_log_probs"], fresh["old_log_probs"], mask)[
+        "rollout/logprob_gap_max"
+    ]
 
 
 @torch.no_grad()
@@ -329,8 +347,8 @@ def test_dynamic_sampling_rounds_sample_as_the_whole_batch_and_report_the_gap(en
 
 def test_multi_turn_trajectories_on_vllm_keep_the_gap_on_every_turn(engine):
     """The feedback environment's three turns, each one engine call on the whole context so
-    far: the trajectories' sampled tokens carry vLLM's log-probs, and the step's gap (the
-    largest over its turns) stays within TOL."""
+    far: the trajectories' sampled tokens carry vLLM's log-probs, and the step's gap over
+    every turn's tokens stays within TOL."""
     cfg = engine.cfg
     engine.cfg = load_config("configs/multiturn_tiny.yaml", VLLM)
     try:

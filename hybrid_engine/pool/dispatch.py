@@ -112,6 +112,10 @@ def merge_meta(metas: list[dict]) -> dict:
 
 
 def mean_metrics(results: list[dict[str, float]]) -> dict[str, float]:
-    """Per-key mean over the ranks' metric dicts."""
-    keys = results[0].keys()
-    return {k: sum(r[k] for r in results) / len(results) for k in keys}
+    """Per-key mean over the ranks' metric dicts; maxima (`*_max`) are the largest rank's."""
+    keys = dict.fromkeys(k for r in results for k in r)
+    out = {}
+    for k in keys:
+        values = [r[k] for r in results if k in r]
+        out[k] = max(values) if k.endswith("_max") else sum(values) / len(values)
+    return out

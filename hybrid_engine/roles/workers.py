@@ -31,11 +31,7 @@ from hybrid_engine.algorithms.losses import (
 from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import CriticConfig, HybridConfig
-from hybrid_engine.models.loading import (
-    load_critic,
-    load_policy,
-    load_reward_model,
-)
+from hybrid_engine.models.loading import load_critic, load_policy, load_reward_model
 from hybrid_engine.models.logprobs import (
     packed_response_log_probs,
     position_ids_from_mask,
@@ -63,7 +59,8 @@ from hybrid_engine.roles.updates import (
 )
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.hf import HFRollout
-from hybrid_engine.rollout.vllm import VLLMRollout, gap_metrics
+from hybrid_engine.rollout.vllm import VLLMRollout
+from hybrid_engine.step_metrics import gap_summary
 
 # glibc malloc settings that keep freed memory for reuse: name -> (mallopt option number in
 # <malloc.h>, value). The environment variable MALLOC_<name> sets the same when a process starts.
@@ -159,19 +156,14 @@ class ActorRolloutRef:
         return out
 
     def _generate_vllm(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        """Push the weights into the running engine if their version moved, generate, and
-        measure the engine's log-probs of the sampled tokens against this policy's."""
+        """Push the weights into the running engine if their version moved, and generate.
+        The log-prob gap to the trainer is measured later, on a forward the step runs anyway
+        (the advantage stage's old log-probs, or the single on-policy update's own)."""
         metrics: dict[str, float] = {}
         if self.pushed_version != self.weights_version:
             metrics["timing_s/weight_sync"] = self.rollout.push(engine_weights(self.policy))
             self.pushed_version = self.weights_version
         out = self.rollout.generate(batch, sampling)
-        if not sampling.greedy and sampling.temperature == self.cfg.rollout.temperature:
-            # the trainer's fresh forward on the same tokens, at the same temperature
-            with torch.no_grad():
-                fresh = self._log_probs(self.policy, out, "trainer_log_probs", entropy=False)
-            mask = out["response_mask"]
-            metrics |= gap_metrics(out["rollout_log_probs"], fresh["trainer_log_probs"], mask)
         out.meta["reshard_s"] = metrics.get("timing_s/weight_sync", 0.0)
         out.meta["rollout_metrics"] = metrics
         return out
@@ -233,6 +225,11 @@ class ActorRolloutRef:
         scale = a.loss_scale_factor or self.cfg.max_response_length
         pg_mode = a.policy_loss.aggregation or a.loss_agg_mode
         pg_agg = loss_aggregation(a.policy_loss.mode, pg_mode)
+        versions = batch.tensors.get("weights_version")
+        gaps: list[torch.Tensor] = []  # |rollout - trainer| log-prob, from this forward
+        # measured only before the first optimizer step, on rows sampled at these weights
+        on_policy = versions is None or bool((versions == self.weights_version).all())
+        first = self.scheduler.last_epoch if on_policy else None
 
         def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
             mask = small["response_mask"]
@@ -246,6 +243,9 @@ class ActorRolloutRef:
             )
             # Without stored old log-probs the data is on-policy (see Engine).
             old = micro.tensors.get("old_log_probs")
+            sampled = micro.tensors.get("rollout_log_probs")  # the gap, where unmeasured yet:
+            if old is None and sampled is not None and self.scheduler.last_epoch == first:
+                gaps.append((sampled[:, :keep] - logp.detach()).abs()[mask.bool()])
             old = logp.detach() if old is None else old[:, :keep]
             is_weights = micro.tensors.get("rollout_is_weights")
             pg, clipfrac, ppo_kl, clip_lower = policy_loss(
@@ -301,7 +301,7 @@ class ActorRolloutRef:
             raise NonFiniteUpdate(f"step {step}: {e}", e.stepped) from None
         self.weights_version += 1
         self.weights_run = self.cfg.trainer.run_id
-        return metrics
+        return metrics | gap_summary(gaps)
 
     def invalidate(self) -> None:
         """Mark these weights as no version at all (a refused update may have moved them, or

@@ -142,6 +142,7 @@ def multi_turn_rollout(
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     closing = encode(tokenizer, turn_closing(tokenizer))
     gen_s, turn_rows, turn_metrics, reshard_s = 0.0, [], [], 0.0
+    recorded = True  # every turn's call returned its log-probs (vllm always does)
     prefix = dict.fromkeys(PREFIX_COUNTS, 0)
     for turn in range(1, max_turns + 1):
         active = [t for t in trajs if t.open]
@@ -159,11 +160,12 @@ def multi_turn_rollout(
         )
         out = generate(Batch(ctx), turn_sampling)
         gen_s += out.meta["gen_seconds"]
-        turn_metrics.append(out.meta.get("rollout_metrics", {}))  # a backend's own (vllm: the gap)
+        turn_metrics.append(out.meta.get("rollout_metrics", {}))  # a backend's own (vllm: push)
         reshard_s += out.meta.get("reshard_s", 0.0)
         for key in prefix:
             prefix[key] += out.meta.get(key, 0)
         lps = out.tensors.get("rollout_log_probs")
+        recorded = recorded and lps is not None
         for j, (t, budget) in enumerate(zip(active, budgets, strict=True)):
             n = min(int(out["response_mask"][j].sum()), budget)
             new = out["response_ids"][j, :n].tolist()
@@ -209,7 +211,7 @@ def multi_turn_rollout(
     for t in trajs:
         if callable(close := getattr(t.env, "close", None)):
             close()
-    batch = trajectories_batch(prompts, trajs, pad, sampling.log_probs, gen_s, env_s, turn_rows)
+    batch = trajectories_batch(prompts, trajs, pad, recorded, gen_s, env_s, turn_rows)
     batch.meta.update(prefix, reshard_s=reshard_s, rollout_metrics=combined_metrics(turn_metrics))
     return batch
 

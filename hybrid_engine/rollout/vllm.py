@@ -295,16 +295,3 @@ class VLLMRollout:
 
         if ray.is_initialized():
             ray.kill(self.actor, no_restart=True)
-
-
-def gap_metrics(
-    rollout_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """Mean and max |rollout - trainer| log-prob over the sampled tokens (mask 1)."""
-    diff = (rollout_log_probs - trainer_log_probs).abs()[mask.bool()]
-    if diff.numel() == 0:
-        return {}
-    return {
-        "rollout/logprob_gap_mean": float(diff.mean()),
-        "rollout/logprob_gap_max": float(diff.max()),
-    }
