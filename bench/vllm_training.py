@@ -32,6 +32,7 @@ KEYS = {  # column -> step metric
     "rollout tok/s": "perf/tokens_per_s_rollout",
     "weight push s": "timing_s/weight_sync",
     "update s": "timing_s/update_actor",
+    "response length": "response_length/mean",  # the update's cost grows with it
     "log-prob gap max": "rollout/logprob_gap_max",
 }
 
