@@ -3,7 +3,7 @@ the option types shared by several sections."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic_core import PydanticCustomError, core_schema
@@ -87,4 +87,10 @@ class OptimConfig(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up, in optimizer steps")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="the LR after warm-up: constant, or decaying (linear or cosine) to "
+        "min_lr_ratio x lr at the run's last optimizer step",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="the decay's end, a share of lr")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")

@@ -125,6 +125,12 @@ class HybridConfig(BaseSettings):
     def samples_per_step(self) -> int:
         return self.data.train_batch_size * self.rollout.n
 
+    def optimizer_steps(self, role: Any) -> int:
+        """A role's (actor or critic section) optimizer steps over the run: the length of
+        its LR schedule (trainer steps x mini-batches x epochs)."""
+        minis = -(-self.samples_per_step // role.ppo_mini_batch_size)
+        return self.trainer.total_training_steps * minis * role.ppo_epochs
+
     @property
     def on_policy_single_update(self) -> bool:
         """One optimizer step on data from the current weights: the old log-probs equal the

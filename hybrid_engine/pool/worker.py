@@ -61,12 +61,21 @@ def pool_spec(cfg: HybridConfig) -> dict[str, Any]:
         },
         "rollout_group": cfg.separate_rollout and {"dp": cfg.ray.rollout_dp},
         # each run's own
-        "actor.optim": cfg.actor.optim.model_dump(),
+        "actor.optim": optim_spec(cfg, cfg.actor),
         "actor.lora": cfg.actor.lora.model_dump(),
-        "critic.optim": cfg.use_critic and cfg.critic.optim.model_dump(),
+        "critic.optim": cfg.use_critic and optim_spec(cfg, cfg.critic),
         "reference": cfg.use_reference,
         "trainer.seed": cfg.trainer.seed,
     }
+
+
+def optim_spec(cfg: HybridConfig, role: Any) -> dict[str, Any]:
+    """A role's optimizer settings, and the length of its schedule where the LR decays (the
+    workers' schedulers are built with it)."""
+    out = role.optim.model_dump()
+    if role.optim.lr_schedule != "constant":
+        out["total_steps"] = cfg.optimizer_steps(role)
+    return out
 
 
 SHARED = (

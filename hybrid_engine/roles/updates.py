@@ -17,9 +17,10 @@ from hybrid_engine.models.sharding import all_reduce_sum, to_float, world_size
 
 
 def make_optimizer(
-    params: list[nn.Parameter], cfg: OptimConfig
+    params: list[nn.Parameter], cfg: OptimConfig, total_steps: int = 0
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with a linear warm-up over `cfg.warmup_steps` optimizer steps.
+    """AdamW with a linear warm-up over `cfg.warmup_steps` optimizer steps, then the LR
+    `cfg.lr_schedule` over `total_steps` (`lr_factor`).
 
     The fused kernel: one pass per parameter instead of a dozen elementwise ops; on two CPU
     cores a SmolLM2-135M step took 0.11-0.18 s against 0.35-0.8 s for the for-loop version."""
@@ -31,11 +32,22 @@ def make_optimizer(
         weight_decay=cfg.weight_decay,
         fused=True,
     )
-    warmup = cfg.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
+    schedule = (cfg.warmup_steps, total_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, *schedule))
     return opt, sched
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, floor: float) -> float:
+    """The LR at optimizer step `step` (0-based) as a share of the base LR: (step+1)/warmup
+    during warm-up (the first step already trains), then 1 (constant), or from 1 down to
+    `floor` at step `total - 1`, linearly or along half a cosine; `floor` after that."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total - 1 <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - 1 - warmup))
+    decay = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * decay
 
 
 def trim(batch: Batch) -> tuple[Batch, int, int]:

@@ -128,9 +128,9 @@ class ActorRolloutRef:
             self.rollout_weights.bind()
         self.pushed_version = -1  # the weights version the vLLM engine holds
         # The optimizer sees the training layout's parameters that train (this rank's shards).
-        self.optimizer, self.scheduler = make_optimizer(
-            [p for p in self.policy.parameters() if p.requires_grad], cfg.actor.optim
-        )
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        steps = cfg.optimizer_steps(cfg.actor)
+        self.optimizer, self.scheduler = make_optimizer(params, cfg.actor.optim, steps)
         module = self.rollout_weights.module if self.rollout_weights else self.policy
         self.rollout = make_rollout(cfg, module, tokenizer)
         self.weights_version = 0
@@ -384,9 +384,8 @@ class Critic:
         self.cfg: CriticConfig = cfg.critic
         self.model = load_critic(cfg.model, cfg.critic.model_path, tokenizer, cfg.trainer.seed)
         shard_model(self.model.to(cfg.device))
-        self.optimizer, self.scheduler = make_optimizer(
-            list(self.model.parameters()), cfg.critic.optim
-        )
+        params, steps = list(self.model.parameters()), cfg.optimizer_steps(cfg.critic)
+        self.optimizer, self.scheduler = make_optimizer(params, cfg.critic.optim, steps)
         self.configure(cfg)
 
     def configure(self, cfg: HybridConfig) -> None:
