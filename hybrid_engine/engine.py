@@ -33,7 +33,7 @@ from hybrid_engine.rollout.base import SamplingParams, step_seed
 from hybrid_engine.rollout.dynamic_sampling import dynamic_rollout
 from hybrid_engine.rollout.multiturn import env_rollout, multi_turn_metrics
 from hybrid_engine.scoring import BatchScoring
-from hybrid_engine.staleness import WeightsFeed, rollout_version, staleness_metrics
+from hybrid_engine.staleness import WeightsFeed, rollout_version, sampled_at, staleness_metrics
 from hybrid_engine.step_metrics import (
     batch_stats,
     finish_step,
@@ -275,7 +275,9 @@ class Engine:
         if not cfg.on_policy_single_update or len(batch) > cfg.actor.ppo_mini_batch_size:
             with timer(metrics, "old_log_prob"):
                 batch = batch.union(self.actor.compute_log_prob(batch))
-            if "rollout_log_probs" in batch and self._on_policy(batch):  # engine vs trainer
+            if "rollout_log_probs" in batch and sampled_at(
+                batch.tensors.get("weights_version"), self.actor.weights_version
+            ):  # engine vs trainer
                 lps = batch["rollout_log_probs"], batch["old_log_probs"], batch["response_mask"]
                 metrics |= gap_metrics(*lps)
         if cfg.use_reference:
@@ -328,11 +330,6 @@ class Engine:
         metrics["critic/returns/mean"] = float(masked_mean(ret, mask))
         batch.meta["metrics"] = {**batch.meta.get("metrics", {}), **metrics}
         return batch
-
-    def _on_policy(self, batch: Batch) -> bool:
-        """Whether every row was sampled from the weights the trainer holds now."""
-        versions = batch.tensors.get("weights_version")
-        return versions is None or bool((versions == self.actor.weights_version).all())
 
     def _correct(self, batch: Batch, metrics: dict[str, float]) -> torch.Tensor:
         """Rollout correction: IS weights into the batch, rejected tokens out of its mask."""

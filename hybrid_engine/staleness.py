@@ -90,3 +90,9 @@ class WeightsFeed:
     def clear(self) -> None:
         """Forget what was published (the pool that held it is gone)."""
         self.published.clear()
+
+
+def sampled_at(versions: torch.Tensor | None, version: int) -> bool:
+    """Whether every row was sampled from weights `version` (rows without a recorded
+    version, from stages committed before the field existed, count as such)."""
+    return versions is None or bool((versions == version).all())

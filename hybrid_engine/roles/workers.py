@@ -60,6 +60,7 @@ from hybrid_engine.roles.updates import (
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.hf import HFRollout
 from hybrid_engine.rollout.vllm import VLLMRollout
+from hybrid_engine.staleness import sampled_at
 from hybrid_engine.step_metrics import gap_summary
 
 # glibc malloc settings that keep freed memory for reuse: name -> (mallopt option number in
@@ -225,10 +226,9 @@ class ActorRolloutRef:
         scale = a.loss_scale_factor or self.cfg.max_response_length
         pg_mode = a.policy_loss.aggregation or a.loss_agg_mode
         pg_agg = loss_aggregation(a.policy_loss.mode, pg_mode)
-        versions = batch.tensors.get("weights_version")
         gaps: list[torch.Tensor] = []  # |rollout - trainer| log-prob, from this forward
         # measured only before the first optimizer step, on rows sampled at these weights
-        on_policy = versions is None or bool((versions == self.weights_version).all())
+        on_policy = sampled_at(batch.tensors.get("weights_version"), self.weights_version)
         first = self.scheduler.last_epoch if on_policy else None
 
         def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
