@@ -27,7 +27,8 @@ from hybrid_engine.data import PromptData, prompt_batch
 from hybrid_engine.evaluation import validate
 from hybrid_engine.export import policy_module
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
-from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel, reuse_freed_memory
+from hybrid_engine.roles.value_models import Critic, RewardModel
+from hybrid_engine.roles.workers import ActorRolloutRef, reuse_freed_memory
 from hybrid_engine.rollout.agent.runner import EpisodeLog, agent_rollout
 from hybrid_engine.rollout.base import SamplingParams, step_seed
 from hybrid_engine.rollout.dynamic_sampling import dynamic_rollout

@@ -31,6 +31,11 @@ class WorkerHungError(WorkerLostError):
     peer of a dead rank waiting in a collective)."""
 
 
+class EngineLostError(ConnectionError):
+    """A rollout engine in a process of its own (vLLM) died mid-call and a fresh one was
+    started: transient (an OSError), so the stage task is retried."""
+
+
 class CallsAbandoned(BaseException):  # noqa: N818 - a stop, like KeyboardInterrupt
     """The driver is stopping (SIGTERM): a call waited for off the main thread (a rollout
     running beside the update) gives up instead of holding the driver until it ends."""

@@ -12,6 +12,8 @@ reaches `<point>`, once per process:
                                               SIGKILL it once it is generating (it reports
                                               sampled tokens): certainly mid-call
     step-3/rollout:start=stop-worker:actor-0  SIGSTOP pool worker actor-0 (a hang)
+    step-2/rollout:start=kill-engine@0.1      SIGKILL this machine's vLLM engine processes
+                                              (`@s`: that much later, from a thread)
     step-4/reward:start=term                  SIGTERM this process (a preemption)
     step-5/advantage:batch=nan                NaN in the first row's advantages before the
                                               advantage stage commits (a data fault: the
@@ -91,11 +93,31 @@ def _act(action: str, name: str, spec: str) -> None:
             threading.Timer(float(delay), os.kill, (pid, sig)).start()
         else:
             os.kill(pid, sig)
+    elif action.partition("@")[0] == "kill-engine":
+        threading.Timer(float(action.partition("@")[2] or 0), _kill_engines, (spec,)).start()
     else:
         raise ValueError(
             f"HYBRIDRL_FAULT={spec!r}: action must be kill, term, pause:<file>, "
-            "kill-worker:<name>[@s|@generating] or stop-worker:<name>[@s|@generating]"
+            "kill-worker:<name>[@s|@generating], stop-worker:<name>[@s|@generating] "
+            "or kill-engine[@s]"
         )
+
+
+def _kill_engines(spec: str) -> None:
+    """SIGKILL every vLLM engine process on this machine (Ray actors of `VLLMServer`)."""
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any("VLLMServer" in a for a in p.info["cmdline"] or []):
+                p.kill()
+                pids.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    if log := os.environ.get("HYBRIDRL_FAULT_LOG"):
+        with open(log, "a") as f:
+            f.write(f"{spec.strip()}: killed engine(s) {pids}\n")
 
 
 def _when_generating(worker: str, pid: int, sig: int, spec: str, timeout_s: float = 300) -> None:

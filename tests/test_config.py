@@ -51,7 +51,6 @@ def test_precedence_defaults_yaml_env_override(tmp_path, monkeypatch):
             "rollout.top_p=0.9 / top_k=0 with rollout.name=vllm: its log-probs would be",
         ),
         (["rollout.name=vllm", "rollout.top_k=5"], "top_k=5 with rollout.name=vllm"),
-        (["rollout.name=vllm", "actor.lora.rank=4"], "actor.lora.rank=4 with rollout.name=vllm"),
         (
             ["rollout.name=vllm", "actor.layout.rollout.separate_copy=true"],
             "actor.layout.rollout.separate_copy applies to the hf rollout only",

@@ -105,7 +105,6 @@ def test_a_turn_past_its_slice_while_another_run_waits_is_reported():
     [
         (["trainer.max_staleness=1"], "ray.rollout=separate (trainer.max_staleness=1"),
         (["ray.rollout=separate"], "ray.rollout=separate with ray.when_busy=share"),
-        (["rollout.name=vllm"], "rollout.name=vllm with ray.when_busy=share"),
     ],
 )
 def test_what_a_shared_pool_does_not_run_yet_is_refused_in_one_line(overrides, needle):

@@ -7,15 +7,20 @@ in this process for the rest of the module, closed at its end with nothing left 
 """
 
 import os
+import signal
+import threading
 import time
 
 import psutil
 import pytest
 import torch
-from run_driver import driver, final_state, fs_for, own_ray_head
+from conftest import PRISTINE_ENV
+from drivers import Driver
+from run_driver import ROOT, driver, final_state, fs_for, own_ray_head, wait_for
 
 from hybrid_engine.config import load_config
 from hybrid_engine.data import prompt_batch
+from hybrid_engine.errors import EngineLostError
 from hybrid_engine.models.sharding import engine_weights
 from hybrid_engine.pool.dispatch import mean_metrics
 from hybrid_engine.rollout import vllm_env
@@ -183,20 +188,25 @@ def test_an_environment_not_built_is_one_line_naming_the_script(tmp_path, monkey
 
 # ------------------------------------------------------------------------ real engines
 def test_train_cli_with_vllm_survives_a_kill_and_finishes_with_final_weights(tmp_path, prefect_api):
-    """`hybridrl train configs/grpo_tiny.yaml rollout.name=vllm`, killed after step 2's
-    rollout commit: its engine goes with it; the resumed run reuses both committed rollouts
-    and ends with final weights; every step logged the gap within TOL."""
+    """`hybridrl train configs/grpo_tiny.yaml rollout.name=vllm`: its engine killed during
+    step 1's rollout costs one retry of that stage on a fresh engine; the driver killed after
+    step 2's rollout commit takes its engine with it; the resumed run reuses both committed
+    rollouts and ends with final weights; every step logged the gap within TOL."""
     root = str(tmp_path / "runs")
     base = ["storage.root=" + root, "tracking.enabled=false"]
     args = ["train", "configs/grpo_tiny.yaml", *VLLM, "trainer.total_training_steps=2", *base]
+    log = tmp_path / "faults.log"
     with own_ray_head(tmp_path / "ray", "vllm-cli", prefect_api) as env:
         rc, out = driver(
             [*args, "--run-id", "v"],
             prefect_api,
-            fault="step-2/reward:before_commit=kill",
-            extra_env=env,
+            fault="step-1/rollout:start=kill-engine@0.1;step-2/reward:before_commit=kill",
+            extra_env={**env, "HYBRIDRL_FAULT_LOG": str(log)},
         )
         assert rc == -9, out
+        killed = [line for line in log.read_text().splitlines() if "killed engine" in line]
+        assert len(killed) == 1 and "[]" not in killed[0], log.read_text()
+        assert "died during" in out and "fresh one started" in out, out
         assert not wait_gone(), "a vLLM engine outlived its killed driver"
         fs = fs_for(root, None)
         rollouts = [fs.cat_file(f"{root}/v/steps/{s}/rollout/COMMITTED") for s in (1, 2)]
@@ -210,6 +220,62 @@ def test_train_cli_with_vllm_survives_a_kill_and_finishes_with_final_weights(tmp
         assert not wait_gone(), "a vLLM engine outlived its driver"
 
 
+def test_runs_sharing_a_pool_share_its_engine_and_each_ends_as_it_would_alone(
+    tmp_path, prefect_api
+):
+    """`ray.when_busy=share` with vllm: two runs (seeds 1, 2) on one pool use the worker's
+    one engine, each run's weights pushed at its turn. Run 1 starts the engine (seeded 1);
+    run 2 attaches while run 1 waits in its reward stage, and ends with exactly the weights
+    of run 2 alone on a pool of its own."""
+    root = tmp_path / "runs"
+    base = [
+        *VLLM,
+        "trainer.backend=ray",
+        "trainer.total_training_steps=2",
+        "tracking.enabled=false",
+    ]
+
+    def train(run: str, seed: int, *extra: str) -> list[str]:
+        args = [*base, f"storage.root={root}", f"trainer.seed={seed}", *extra, "--run-id", run]
+        return ["train", "configs/grpo_tiny.yaml", *args]
+
+    fs, share = fs_for(str(root), None), ["ray.pool_name=vshared", "ray.when_busy=share"]
+    flag, others = tmp_path / "paused", set(engines())
+    with own_ray_head(tmp_path / "ray", "vshared", prefect_api) as head:
+        env = {**PRISTINE_ENV, **head, "PYTHONPATH": str(ROOT / "tests")}
+        env["PREFECT_API_URL"] = prefect_api
+        rc, out = driver(train("solo2", 2, "ray.pool_name=vsolo"), prefect_api, extra_env=head)
+        assert rc == 0, out
+        solo = final_state(fs, f"{root}/solo2")[0]
+        driver(["pool", "down", "--pool", "vsolo"], prefect_api, extra_env=head)
+        assert not wait_gone([p for p in engines() if p not in others]), "solo's engine lives"
+        pause = {"HYBRIDRL_FAULT": f"step-1/reward:start=pause:{flag}"}
+        one, two = Driver(train("one", 1, *share), {**env, **pause}), None
+        try:
+            wait_for(flag, one)
+            two = Driver(train("two", 2, *share), env)
+            status = ["pool", "status", "--pool", "vshared"]
+            while "runs sharing" not in driver(status, prefect_api, extra_env=head)[1]:
+                assert two.poll() is None, two.wait(timeout=30)[1]
+                time.sleep(1)
+            flag.unlink()
+            results = {"one": one.wait(timeout=600), "two": two.wait(timeout=600)}
+            assert len(set(engines()) - others) == 1  # the pool's one engine, still up
+        finally:
+            one.kill_group()
+            if two is not None:
+                two.kill_group()
+    for run, (rc, out, _) in results.items():
+        assert rc == 0, out
+        history = final_state(fs, f"{root}/{run}")[1]
+        gaps = [row["rollout/logprob_gap_max"] for row in history if row["step"] > 0]
+        assert len(gaps) == 2 and max(gaps) <= TOL, (run, gaps)
+    weights = final_state(fs, f"{root}/two")[0]
+    assert weights.keys() == solo.keys()
+    assert all(torch.equal(weights[k], solo[k]) for k in solo), "run two differs from alone"
+    assert not wait_gone([p for p in engines() if p not in others]), "an engine outlived its pool"
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """One engine for the module, in this process (local backend: the backend starts the
@@ -220,10 +286,10 @@ def engine(tmp_path_factory):
     old = os.environ.get("HYBRIDRL_RAY_STATE")
     os.environ["HYBRIDRL_RAY_STATE"] = str(tmp_path_factory.mktemp("vllm-ray"))
     eng = Engine(load_config("configs/grpo_tiny.yaml", VLLM))
-    pid = eng.actor.rollout.info["pid"]
     try:
         yield eng
     finally:
+        pid = eng.actor.rollout.info["pid"]  # the engine now (a test replaces one)
         eng.actor.rollout.close()
         left = wait_gone([pid])
         pool.stop_local_head()
@@ -303,7 +369,10 @@ def test_pushed_weights_are_what_the_engine_samples_from(engine):
             p.add_(torch.randn(p.shape, generator=gen) * 0.5)
         names, arrays = engine_weights(actor.policy)
         keep = [i for i, n in enumerate(names) if n != "lm_head.weight"]
-        actor.rollout.push(([names[i] for i in keep], [arrays[i] for i in keep]))
+        actor.rollout.push(
+            ([names[i] for i in keep], [arrays[i] for i in keep]),
+            (actor.sync_key, actor.weights_version),  # held: the next generate pushes nothing
+        )
         assert _sampled_gap(engine, prompts) > 100 * TOL
     finally:
         actor.policy.load_state_dict(original)
@@ -317,6 +386,25 @@ def test_a_redone_rollout_is_identical(engine):
     a, b = engine.rollout(7), engine.rollout(7)
     assert torch.equal(a["response_ids"], b["response_ids"])
     assert torch.equal(a["rollout_log_probs"], b["rollout_log_probs"])
+
+
+def test_an_engine_killed_mid_rollout_is_replaced_and_the_rollout_redone_identically(engine):
+    """SIGKILL of the engine's process while it generates: the call raises EngineLostError
+    (an OSError: the stage task retries it) once a fresh engine has started; the retry
+    pushes the weights again and samples exactly what the dead engine did."""
+    before = engine.rollout(7)
+    rollout = engine.actor.rollout
+    pid, starts = rollout.info["pid"], rollout.starts
+    threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(EngineLostError, match=f"pid {pid}"):
+        for _ in range(3):  # the kill lands in the first call, or the next one finds it dead
+            engine.rollout(7)
+    assert rollout.starts == starts + 1 and rollout.info["pid"] != pid
+    assert not psutil.pid_exists(pid) and rollout.synced_version == -1
+    after = engine.rollout(7)
+    assert rollout.synced_version == (engine.actor.sync_key, engine.actor.weights_version)
+    assert torch.equal(before["response_ids"], after["response_ids"])
+    assert torch.equal(before["rollout_log_probs"], after["rollout_log_probs"])
 
 
 def test_dynamic_sampling_rounds_sample_as_the_whole_batch_and_report_the_gap(engine):
@@ -359,3 +447,34 @@ def test_multi_turn_trajectories_on_vllm_keep_the_gap_on_every_turn(engine):
     assert max(batch["turns"]) == 3 and batch["response_mask"].sum() < batch["attention_mask"].sum()
     assert m["multi_turn/turns/mean"] > 1
     assert m["rollout/logprob_gap_max"] <= TOL
+
+
+def test_lora_adapters_reach_the_engine_folded_into_the_base(engine):
+    """LoRA on vLLM: after each update the adapters, merged into the base weights, are
+    pushed; the engine then samples from the adapted policy (gap to the trainer within TOL),
+    not from the base, which is far off once the adapters have moved."""
+    from hybrid_engine.engine import Engine
+    from hybrid_engine.models.lora import adapters_disabled
+
+    lora = Engine(load_config("configs/grpo_tiny.yaml", [*VLLM, "actor.lora.rank=8"]))
+    pid = lora.actor.rollout.info["pid"]
+    try:
+        for step in (1, 2):
+            m = lora.step(step)
+            assert m["rollout/logprob_gap_max"] <= TOL and m["timing_s/weight_sync"] > 0
+        policy = lora.actor.policy
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if ".lora_B." in name:  # adapters far from zero: the base no longer fits
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+        lora.actor.weights_version += 1
+        assert _sampled_gap(lora, _prompts(lora)) <= TOL
+        out = lora.actor.generate(_prompts(lora).repeat_interleave(4), SamplingParams(8, seed=5))
+        with adapters_disabled(policy):
+            base = lora.actor.compute_log_prob(out)["old_log_probs"]
+        mask = out["response_mask"]
+        assert gap_metrics(out["rollout_log_probs"], base, mask)["rollout/logprob_gap_max"] > 0.1
+    finally:
+        lora.actor.rollout.close()
+    assert not wait_gone([pid]), f"engine {pid} outlived close()"

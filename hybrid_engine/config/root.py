@@ -363,11 +363,6 @@ class HybridConfig(BaseSettings):
             (bool(r.agent.function), f"rollout.agent.function {why} is not built yet"),
             (self.ray.rollout == "separate", f"ray.rollout=separate {why} is not built yet"),
             (
-                self.actor.lora.rank > 0,
-                f"actor.lora.rank={self.actor.lora.rank} {why}: "
-                "pushing LoRA weights to vLLM is not built yet",
-            ),
-            (
                 self.actor.layout.rollout.separate_copy,
                 "actor.layout.rollout.separate_copy applies to the hf rollout only",
             ),
@@ -391,11 +386,6 @@ class HybridConfig(BaseSettings):
             k = self.trainer.max_staleness
             cause = f" (trainer.max_staleness={k} asks for it)" if k else ""
             raise ValueError(f"ray.rollout=separate{cause} {why}; use ray.when_busy=refuse")
-        if self.rollout.name != "hf":
-            raise ValueError(
-                f"rollout.name={self.rollout.name} {why} (one engine per attached run); "
-                "use rollout.name=hf"
-            )
         return self
 
 

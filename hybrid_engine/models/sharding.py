@@ -26,6 +26,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from peft import LoraConfig
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
@@ -37,6 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 
 from hybrid_engine.files import read_object, write_object
+from hybrid_engine.models.lora import merged_state_dict
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -339,17 +341,22 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return {"state": {n: st for n, st in state.items() if st}, "param_groups": groups}
 
 
-def engine_weights(model: nn.Module) -> tuple[list[str], list[np.ndarray]]:
+def engine_weights(
+    model: nn.Module, lora: LoraConfig | None = None
+) -> tuple[list[str], list[np.ndarray]]:
     """(HF names, numpy arrays) of every weight a rollout engine in another process loads
     (vLLM), one full copy each: plain data, readable without this environment's torch.
 
     `named_parameters()` lists a tied `lm_head.weight` under the embedding only; vLLM's CPU
     backend prepacks its LM head separately, so it is pushed under its own name too (else the
-    engine keeps the old LM head silently). FSDP shards are gathered (`full_tensor`).
+    engine keeps the old LM head silently). FSDP shards are gathered (`full_tensor`). With
+    LoRA (`lora` given) the adapters are folded into the base weights (`merged_state_dict`):
+    the engine serves the plain model the adapters make.
     """
-    names, arrays = [], []
+    full = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        names.append(name)
-        arrays.append(t.to("cpu", copy=True).contiguous().numpy())
-    return names, arrays
+        full[name] = t.to("cpu", copy=True)
+    if lora is not None:
+        full = merged_state_dict(full, lora)
+    return list(full), [t.contiguous().numpy() for t in full.values()]

@@ -15,13 +15,15 @@ import ray
 import torch
 
 from hybrid_engine.config import HybridConfig, import_plugins
+from hybrid_engine.errors import EngineLostError
 from hybrid_engine.models.loading import load_tokenizer, set_determinism
 from hybrid_engine.pool.claim import PoolTaken, driver_line, taken
 from hybrid_engine.pool.cluster import PoolError, free_port
 from hybrid_engine.pool.placement import RESOURCES_KEY
 from hybrid_engine.pool.replica import RolloutReplica
 from hybrid_engine.pool.slots import Slot, SlotsMixin, resident_bytes
-from hybrid_engine.roles.workers import ActorRolloutRef, Critic, RewardModel
+from hybrid_engine.roles.value_models import Critic, RewardModel
+from hybrid_engine.roles.workers import ActorRolloutRef
 
 
 @functools.cache
@@ -136,6 +138,7 @@ class Worker(SlotsMixin):
         self.driver: dict[str, Any] | None = None  # who set it up or configured it last
         self.slots: dict[str, Slot] = {}  # runs sharing the pool, parked (by owner)
         self.nbytes = 0  # resident bytes of the active run's roles
+        self.engines: dict[str, Any] = {}  # rollout engines (vllm) by settings: for every slot
 
     def address(self) -> str:
         """Rank 0 hosts the group's rendezvous, on its node's address (not the driver's)."""
@@ -160,7 +163,7 @@ class Worker(SlotsMixin):
         self.driver = driver
         tokenizer = load_tokenizer(self.cfg.model)
         make = {
-            "actor": ActorRolloutRef,
+            "actor": lambda cfg, tok: ActorRolloutRef(cfg, tok, self.engines),
             "critic": Critic,
             "rm": RewardModel,
             "rollout": RolloutReplica,
@@ -209,6 +212,8 @@ class Worker(SlotsMixin):
             )
         try:
             return getattr(self.roles[role], method)(*args)
+        except EngineLostError:
+            raise  # its engine was replaced: the worker is sound, the stage retries
         except Exception as e:
             self.error = f"{role}.{method}: {type(e).__name__}: {e}"
             raise

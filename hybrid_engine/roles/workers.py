@@ -1,10 +1,9 @@
-"""The engine's roles: `ActorRolloutRef` (policy + rollout + frozen reference), `Critic`
-and `RewardModel`.
+"""The engine's actor role: `ActorRolloutRef` (policy + rollout + frozen reference); the
+critic and the reward model are in `roles.value_models`.
 
-Each role owns its models and optimizer and exposes the stage operations the driver calls:
-generate, compute_log_prob, compute_ref_log_prob, update_actor / compute_values,
-update_critic / score, and save/load of its state at an fsspec URL. Batches go in and come
-out. A role runs on one rank of its group: in-process (one rank) or inside a Ray worker
+Each role owns its models and optimizer and exposes the stage operations the driver calls
+(here generate, compute_log_prob, compute_ref_log_prob, update_actor) and save/load of its
+state at an fsspec URL. Batches go in and come out. A role runs on one rank of its group: in-process (one rank) or inside a Ray worker
 (`hybrid_engine.pool.pool`), where the group's ranks train in FSDP2 layout together
 (`hybrid_engine.models.sharding`). Nothing here knows about storage layout or orchestration.
 """
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,15 +26,12 @@ from hybrid_engine.algorithms.losses import (
     band_clip_fractions,
     loss_aggregation,
     policy_loss,
-    value_loss,
 )
-from hybrid_engine.algorithms.utils import masked_mean
 from hybrid_engine.batch import Batch
-from hybrid_engine.config import CriticConfig, HybridConfig
-from hybrid_engine.models.loading import load_critic, load_policy, load_reward_model
+from hybrid_engine.config import HybridConfig
+from hybrid_engine.models.loading import load_policy
 from hybrid_engine.models.logprobs import (
     packed_response_log_probs,
-    position_ids_from_mask,
     response_log_probs,
 )
 from hybrid_engine.models.lora import adapters_disabled, add_lora, lora_config
@@ -67,6 +64,7 @@ from hybrid_engine.step_metrics import gap_summary
 # <malloc.h>, value). The environment variable MALLOC_<name> sets the same when a process starts.
 _KEEP_FREED = {"MMAP_MAX_": (-4, 0), "TRIM_THRESHOLD_": (-1, 2**31 - 1), "ARENA_MAX": (-8, 1)}
 # how a pool worker of a single-rank group gets them (`pool.Pool.create`)
+SYNC_KEYS = itertools.count()  # one per actor role built in this process
 REUSE_FREED_MEMORY_ENV = {f"MALLOC_{name}": str(value) for name, (_, value) in _KEEP_FREED.items()}
 
 
@@ -107,7 +105,9 @@ class ActorRolloutRef:
     with FSDP the weights are gathered before each generation and released after it.
     """
 
-    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase, engines: dict | None = None
+    ) -> None:
         self.cfg = cfg
         self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed).to(cfg.device)
         lora = cfg.actor.lora
@@ -127,13 +127,13 @@ class ActorRolloutRef:
         shard_model(self.policy)
         if self.rollout_weights is not None:
             self.rollout_weights.bind()
-        self.pushed_version = -1  # the weights version the vLLM engine holds
         # The optimizer sees the training layout's parameters that train (this rank's shards).
         params = [p for p in self.policy.parameters() if p.requires_grad]
         steps = cfg.optimizer_steps(cfg.actor)
         self.optimizer, self.scheduler = make_optimizer(params, cfg.actor.optim, steps)
         module = self.rollout_weights.module if self.rollout_weights else self.policy
-        self.rollout = make_rollout(cfg, module, tokenizer)
+        self.rollout = make_rollout(cfg, module, tokenizer, engines)
+        self.sync_key = next(SYNC_KEYS)  # whose weights a shared engine holds
         self.weights_version = 0
         self.weights_run: str | None = None  # the run whose updates made these weights
 
@@ -161,9 +161,9 @@ class ActorRolloutRef:
         The log-prob gap to the trainer is measured later, on a forward the step runs anyway
         (the advantage stage's old log-probs, or the single on-policy update's own)."""
         metrics: dict[str, float] = {}
-        if self.pushed_version != self.weights_version:
-            metrics["timing_s/weight_sync"] = self.rollout.push(engine_weights(self.policy))
-            self.pushed_version = self.weights_version
+        if self.rollout.synced_version != (mine := (self.sync_key, self.weights_version)):
+            weights = engine_weights(self.policy, self.lora)  # LoRA: merged into the base
+            metrics["timing_s/weight_sync"] = self.rollout.push(weights, mine)
         out = self.rollout.generate(batch, sampling)
         out.meta["reshard_s"] = metrics.get("timing_s/weight_sync", 0.0)
         out.meta["rollout_metrics"] = metrics
@@ -340,9 +340,7 @@ class ActorRolloutRef:
         )
         self.weights_version = int(extra["weights_version"])
         self.weights_run = extra.get("weights_run")
-        self.pushed_version = -1
-        if self.rollout_weights is not None:
-            self.rollout_weights.synced_version = -1
+        (self.rollout_weights or self.rollout).synced_version = -1  # the rollout syncs again
         return self.weights_version
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -372,128 +370,12 @@ class ActorRolloutRef:
         }
 
 
-def make_rollout(cfg: HybridConfig, module: nn.Module, tokenizer: PreTrainedTokenizerBase) -> Any:
-    """The rollout backend registered as `rollout.name`, built for this policy."""
-    return ROLLOUT_BACKENDS[cfg.rollout.name].build(cfg, module, tokenizer)
-
-
-class Critic:
-    """Value model V(s_t) trained on the returns with a clipped value loss."""
-
-    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.cfg: CriticConfig = cfg.critic
-        self.model = load_critic(cfg.model, cfg.critic.model_path, tokenizer, cfg.trainer.seed)
-        shard_model(self.model.to(cfg.device))
-        params, steps = list(self.model.parameters()), cfg.optimizer_steps(cfg.critic)
-        self.optimizer, self.scheduler = make_optimizer(params, cfg.critic.optim, steps)
-        self.configure(cfg)
-
-    def configure(self, cfg: HybridConfig) -> None:
-        self.cfg = cfg.critic
-        self.log_prob_micro_batch_size = cfg.actor.log_prob_micro_batch_size
-        # seq-mean-token-sum-norm's constant, as the actor's
-        self.loss_scale_factor = cfg.actor.loss_scale_factor or cfg.max_response_length
-
-    def _values(self, mb: Batch) -> torch.Tensor:
-        n = mb["response_mask"].shape[1]
-        am = mb["attention_mask"]
-        v = self.model(mb["input_ids"], am, position_ids_from_mask(am), keep=n + 1)[:, :-1]
-        return v * mb["response_mask"]
-
-    @torch.no_grad()
-    def compute_values(self, batch: Batch) -> Batch:
-        return micro_batches(
-            batch,
-            self.log_prob_micro_batch_size,
-            lambda mb: {"values": self._values(mb)},
-            model_device(self.model),
-        )
-
-    def update_critic(self, batch: Batch) -> dict[str, float]:
-        """Clipped value regression onto the returns."""
-        c, scale = self.cfg, self.loss_scale_factor
-
-        def loss_fn(micro: Batch, small: Batch, keep: int) -> tuple[list, dict]:
-            vpreds = self._values(small)
-            vf_loss, vf_clipfrac = value_loss(
-                vpreds,
-                micro["values"][:, :keep],
-                micro["returns"][:, :keep],
-                small["response_mask"],
-                c.cliprange_value,
-                c.loss_agg_mode,
-                scale,
-            )
-            vpred_mean = masked_mean(vpreds.detach(), small["response_mask"])
-            return [(vf_loss, c.loss_agg_mode)], {
-                "critic/vf_loss": vf_loss,
-                "critic/vf_clipfrac": vf_clipfrac,
-                "critic/vpred_mean": vpred_mean,
-            }
-
-        return ppo_updates(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            batch,
-            loss_fn,
-            prefix="critic",
-            **update_settings(c),
-        )
-
-    def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
-        return save_state(url, self.model, self.optimizer, self.scheduler, {}, storage_options)
-
-    def load(
-        self, url: str, storage_options: dict | None = None, expected: dict | None = None
-    ) -> int:
-        load_state(url, self.model, self.optimizer, self.scheduler, storage_options, expected)
-        return 0
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return full_state_dict(self.model)
-
-    def info(self) -> dict:
-        return {"sharded": is_sharded(self.model), "local_params": local_numel(self.model)}
-
-
-class RewardModel:
-    """A sequence classifier: the score of a sample is its logit at the last real token."""
-
-    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.model = shard_model(
-            load_reward_model(cfg.reward.model_path, tokenizer, cfg).to(cfg.device)
-        )
-        self.micro_batch_size = cfg.reward.model_micro_batch_size
-
-    def configure(self, cfg: HybridConfig) -> None:
-        self.micro_batch_size = cfg.reward.model_micro_batch_size
-
-    @torch.no_grad()
-    def score(self, batch: Batch) -> Batch:
-        """`rm_scores`: one float per sample."""
-        out = []
-        for mb in batch.select(["input_ids", "attention_mask"], meta=False).split(
-            self.micro_batch_size
-        ):
-            mb = mb.to(model_device(self.model))
-            am = mb["attention_mask"]
-            scores = self.model(mb["input_ids"], am, position_ids_from_mask(am))
-            last = am.shape[1] - 1 - am.flip(-1).argmax(-1)  # last real token of each row
-            out.append(scores[torch.arange(len(last)), last].cpu())
-        return Batch({"rm_scores": torch.cat(out)})
-
-    def save(self, url: str, storage_options: dict | None = None) -> dict[str, str]:
-        return save_state(url, self.model, None, None, {}, storage_options)
-
-    def load(
-        self, url: str, storage_options: dict | None = None, expected: dict | None = None
-    ) -> int:
-        load_state(url, self.model, None, None, storage_options, expected)
-        return 0
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return full_state_dict(self.model)
-
-    def info(self) -> dict:
-        return {"sharded": is_sharded(self.model), "local_params": local_numel(self.model)}
+def make_rollout(
+    cfg: HybridConfig, module: nn.Module, tokenizer: PreTrainedTokenizerBase, engines: dict | None
+) -> Any:
+    """The rollout backend registered as `rollout.name`, built for this policy; a backend
+    with an engine of its own (vllm) takes a running one from `engines` where it fits."""
+    backend = ROLLOUT_BACKENDS[cfg.rollout.name]
+    if engines is None or ROLLOUT_BACKENDS.info(cfg.rollout.name)["in_place"]:
+        return backend.build(cfg, module, tokenizer)
+    return backend.build(cfg, module, tokenizer, engines=engines)

@@ -31,6 +31,7 @@ import torch
 
 from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
+from hybrid_engine.errors import EngineLostError
 from hybrid_engine.models.loading import TINY, cache_dir, resolve_model_path, save_model_dir
 from hybrid_engine.registry import ROLLOUT_BACKENDS
 from hybrid_engine.rollout import vllm_env
@@ -172,7 +173,10 @@ def engine_model_dir(cfg: HybridConfig, module: torch.nn.Module, tokenizer: Any)
     text = json.dumps(doc, sort_keys=True, default=str)
     target = cache_dir() / "vllm-models" / hashlib.sha256(text.encode()).hexdigest()[:12]
     if not (target / "config.json").is_file():
-        save_model_dir(module, tokenizer, target)
+        plain = module  # with LoRA adapters in it, a plain model of its config (same names)
+        if any(".lora_" in n for n, _ in module.named_parameters()):
+            plain = type(module)(module.config)
+        save_model_dir(plain, tokenizer, target)
     return target
 
 
@@ -203,8 +207,13 @@ class VLLMRollout:
     """
 
     @classmethod
-    def build(cls, cfg: HybridConfig, module: torch.nn.Module, tokenizer: Any) -> VLLMRollout:
-        """The backend of `rollout.name: vllm`: settings checked, then the engine started."""
+    def build(
+        cls, cfg: HybridConfig, module: torch.nn.Module, tokenizer: Any, engines: dict | None = None
+    ) -> VLLMRollout:
+        """The backend of `rollout.name: vllm`: settings checked, then the engine started, or
+        taken from `engines` (a pool worker's, kept across the runs and resets it serves)
+        when one of the same settings runs there. `trainer.seed` is not one of them: every
+        sampled row carries its own seed and greedy rows draw nothing."""
         model_dir = engine_model_dir(cfg, module, tokenizer)
         max_len = check_engine(cfg, model_dir)
         python = vllm_env.python()  # one line if the environment is not built
@@ -214,8 +223,6 @@ class VLLMRollout:
             from hybrid_engine.pool.cluster import connect
 
             connect(cfg)
-        from hybrid_engine.rollout.vllm_server import VLLMServer
-
         v = cfg.rollout.vllm
         bind = v.threads_bind or cores()
         # Ray gives an actor of num_cpus=0 OMP_NUM_THREADS=1, and vLLM then leaves torch at
@@ -225,43 +232,69 @@ class VLLMRollout:
             "VLLM_LOGGING_LEVEL": "WARNING",
             "OMP_NUM_THREADS": str(bind_count(bind)),
         }
-        actor = (
-            ray.remote(VLLMServer)
-            .options(
-                num_cpus=0,
-                max_restarts=0,
-                runtime_env={"py_executable": str(python), "env_vars": env},
-            )
-            .remote(
-                str(model_dir),
-                cfg.trainer.seed,
-                max_len,
-                cfg.rollout.micro_batch_size,
-                v.kv_cache_gb,
-                bind,
-                cfg.model.dtype,
-            )
+        options = {"runtime_env": {"py_executable": str(python), "env_vars": env}}
+        args = (str(model_dir), cfg.trainer.seed, max_len, cfg.rollout.micro_batch_size)
+        args += (v.kv_cache_gb, bind, cfg.model.dtype)
+        key = json.dumps([args[0], *args[2:]])
+        if engines is not None and key in engines:
+            return engines[key]
+        ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+        engine = cls(options, args, v.start_timeout_s, *ids)
+        if engines is not None:
+            engines[key] = engine
+        return engine
+
+    def __init__(
+        self, options: dict, args: tuple, timeout_s: float, pad_token_id: int, eos_token_id: int
+    ) -> None:
+        self.options, self.args, self.timeout_s = options, args, timeout_s
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+        self.actor: Any = None
+        self.synced_version = -1  # the weights version the engine holds (-1: none pushed)
+        self.starts = 0  # engines started: more than one after an engine died
+        self._start()
+
+    def _start(self) -> None:
+        """Start the engine and wait until it has loaded (`timeout_s`)."""
+        import ray
+
+        from hybrid_engine.rollout.vllm_server import VLLMServer
+
+        actor = (ray.remote(VLLMServer).options(num_cpus=0, max_restarts=0, **self.options)).remote(
+            *self.args
         )
         try:
-            info = ray.get(actor.ready.remote(), timeout=v.start_timeout_s)
+            self.info = ray.get(actor.ready.remote(), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor)
             raise RuntimeError(
                 f"the vLLM engine did not start within rollout.vllm.start_timeout_s="
-                f"{v.start_timeout_s}"
+                f"{self.timeout_s}"
             ) from None
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"the vLLM engine failed to start on {model_dir}: {e}") from None
-        return cls(actor, info, tokenizer.pad_token_id, tokenizer.eos_token_id)
+            raise RuntimeError(f"the vLLM engine failed to start on {self.args[0]}: {e}") from None
+        self.actor, self.synced_version = actor, -1
+        self.starts += 1
 
-    def __init__(self, actor: Any, info: dict, pad_token_id: int, eos_token_id: int) -> None:
-        self.actor, self.info = actor, info
-        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
-
-    def _get(self, ref: Any) -> Any:
+    def _get(self, what: str, *args: Any) -> Any:
+        """`what` on the engine; an engine that died (killed, out of memory) is replaced by
+        a fresh one holding no weights, and the call raises EngineLostError (transient:
+        the stage is retried, and its first call pushes the weights again)."""
         import ray
 
-        return ray.get(ref)
+        if self.actor is None:  # the last start failed: try again
+            self._start()
+        try:
+            return ray.get(getattr(self.actor, what).remote(*args))
+        except ray.exceptions.RayActorError as e:
+            pid = self.info.get("pid")
+            self.actor = None
+            start = time.perf_counter()
+            self._start()
+            raise EngineLostError(
+                f"the vLLM engine (pid {pid}) died during {what} ({type(e).__name__}); a "
+                f"fresh one started in {time.perf_counter() - start:.0f} s: retry the call"
+            ) from None
 
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
         """One response per row (rows already repeated n times)."""
@@ -271,7 +304,7 @@ class VLLMRollout:
         if "row_seed" in batch and not sampling.greedy:  # the caller's own seeds
             for p, seed in zip(params, batch["row_seed"].tolist(), strict=True):
                 p["seed"] = int(seed)
-        tokens, logprobs, seconds = self._get(self.actor.generate.remote(prompts, params))
+        tokens, logprobs, seconds = self._get("generate", prompts, params)
         if len(tokens) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(tokens)} outputs for {len(prompts)} prompts")
         ids, mask, logp = assemble_outputs(tokens, logprobs, self.pad_token_id, self.eos_token_id)
@@ -280,18 +313,19 @@ class VLLMRollout:
         out.meta.update(gen_tokens=n, gen_seconds=seconds, gen_tokens_per_s=n / max(seconds, 1e-9))
         return out
 
-    def push(self, weights: tuple[list[str], list[Any]]) -> float:
-        """New weights into the running engine; returns the seconds, transfer included."""
+    def push(self, weights: tuple[list[str], list[Any]], version: int) -> float:
+        """Weights `version` into the running engine; returns the seconds, transfer included."""
         start = time.perf_counter()
         names, arrays = weights
-        count, _ = self._get(self.actor.push.remote(names, arrays))
+        count, _ = self._get("push", names, arrays)
         if count != len(names):
             raise RuntimeError(f"the vLLM engine loaded {count} of {len(names)} weights")
+        self.synced_version = version
         return time.perf_counter() - start
 
     def close(self) -> None:
         """End the engine's process now (it also ends with its owner)."""
         import ray
 
-        if ray.is_initialized():
+        if ray.is_initialized() and self.actor is not None:
             ray.kill(self.actor, no_restart=True)
