@@ -3,9 +3,9 @@ critic and the reward model are in `roles.value_models`.
 
 Each role owns its models and optimizer and exposes the stage operations the driver calls
 (here generate, compute_log_prob, compute_ref_log_prob, update_actor) and save/load of its
-state at an fsspec URL. Batches go in and come out. A role runs on one rank of its group: in-process (one rank) or inside a Ray worker
-(`hybrid_engine.pool.pool`), where the group's ranks train in FSDP2 layout together
-(`hybrid_engine.models.sharding`). Nothing here knows about storage layout or orchestration.
+state at an fsspec URL. Batches go in and come out. A role runs on one rank of its group:
+in-process (one rank) or inside a Ray worker (`hybrid_engine.pool.pool`), where the group's
+ranks train in FSDP2 layout together (`hybrid_engine.models.sharding`). Nothing here knows about storage layout or orchestration.
 """
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ class VLLMRollout:
         self.options, self.args, self.timeout_s = options, args, timeout_s
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
         self.actor: Any = None
-        self.synced_version = -1  # the weights version the engine holds (-1: none pushed)
+        self.synced_version: Any = -1  # whose weights it holds, as push was told; -1: none
         self.starts = 0  # engines started: more than one after an engine died
         self._start()
 
