@@ -2,7 +2,7 @@
 `vllm` backend), and this machine's floor.
 
     .venv/bin/python bench/rollout.py [--prompts 8] [--n 4] [--max-new-tokens 32] [--repeats 2]
-                                      [--vllm] [--equal-work]
+                                      [--vllm [--vllm-compiled]] [--equal-work]
 
 Prints completion tokens per second for each (sampling at temperature 1.0, SmolLM2-135M), and
 the floor of any decoder here: a decode step must run every weight matrix of the model once
@@ -12,7 +12,7 @@ work (no draft model, no quantisation). `--equal-work`: no row stops early (the 
 is an id the model never samples), so every backend decodes the same rows x tokens.
 `--vllm` needs the vLLM environment (`scripts/setup_vllm.sh`); its engine starts after the
 others ran (its idle threads would share their cores), and its first round (warm-up) is
-reported apart.
+reported apart. `--vllm-compiled`: then an engine with `rollout.vllm.compile=true` too.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="also the vllm backend")
+    ap.add_argument(
+        "--vllm-compiled", action="store_true", help="with --vllm: also rollout.vllm.compile=true"
+    )
     ap.add_argument("--equal-work", action="store_true", help="every row max-new-tokens long")
     args = ap.parse_args()
     cfg = load_config("configs/demo_cpu.yaml")
@@ -109,10 +112,12 @@ def main() -> None:
         f"{best:.0f} tok/s = {best / plain:.2f}x plain generate"
     )
     if args.vllm:
-        vllm_rounds(model, tok, batch, eos, args, plain, statistics.median(ours_tps))
+        for compiled in (False, True) if args.vllm_compiled else (False,):
+            hf = statistics.median(ours_tps)
+            vllm_rounds(model, tok, batch, eos, args, plain, hf, compiled)
 
 
-def vllm_rounds(model, tok, batch, eos, args, plain: float, hf: float) -> None:
+def vllm_rounds(model, tok, batch, eos, args, plain: float, hf: float, compiled: bool) -> None:
     """The vllm backend on the same batch: a warm-up round, then `repeats` timed rounds.
     Starts (and afterwards stops) a local Ray head of its own unless one is running."""
     import ray
@@ -121,10 +126,13 @@ def vllm_rounds(model, tok, batch, eos, args, plain: float, hf: float) -> None:
     from hybrid_engine.rollout.vllm import VLLMRollout, strip_left_padding, vllm_sampling_kwargs
 
     had_head = (cluster.state_dir() / "head.json").is_file()
-    vcfg = load_config("configs/demo_cpu.yaml", ["rollout.name=vllm"])
+    mode = "compiled" if compiled else "eager"
+    vcfg = load_config(
+        "configs/demo_cpu.yaml", ["rollout.name=vllm", f"rollout.vllm.compile={compiled}"]
+    )
     start = time.perf_counter()
     engine = VLLMRollout.build(vcfg, model, tok)
-    print(f"vllm engine up in {time.perf_counter() - start:.1f} s ({engine.info})")
+    print(f"vllm ({mode}) engine up in {time.perf_counter() - start:.1f} s ({engine.info})")
     prompt_rows = strip_left_padding(batch["prompt_ids"], batch["prompt_mask"])
     try:
         tps = []
@@ -138,10 +146,10 @@ def vllm_rounds(model, tok, batch, eos, args, plain: float, hf: float) -> None:
             n = sum(len(t) for t in tokens)
             tps.append(n / secs)
             name = "warm-up" if r == 0 else f"repeat {r - 1}"
-            print(f"vllm {name}: {tps[-1]:7.1f} tok/s ({n} tokens)")
+            print(f"vllm ({mode}) {name}: {tps[-1]:7.1f} tok/s ({n} tokens)")
         med = statistics.median(tps[1:])
         print(
-            f"median: vllm {med:.1f} tok/s = {med / plain:.2f}x plain generate, "
+            f"median: vllm ({mode}) {med:.1f} tok/s = {med / plain:.2f}x plain generate, "
             f"{med / hf:.2f}x the hf backend"
         )
     finally:

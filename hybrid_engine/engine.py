@@ -210,7 +210,7 @@ class Engine:
             r.top_p,
             r.top_k,
             step_seed(self.cfg.trainer.seed, g),
-            log_probs=self.cfg.algorithm.rollout_correction.enabled,
+            log_probs=self.cfg.rollout_log_probs,
         )
         with timer(metrics, "gen"):
             batch = self.generate(

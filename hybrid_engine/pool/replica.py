@@ -12,6 +12,10 @@ The weights travel through Ray's object store: rank 0 of the actor group gathers
 shards and puts one copy there (`publish`), each replica reads it (`receive`). With LoRA only
 the adapters travel: a replica builds the frozen base as the trainer does, from `model.path`. A replica
 knows which version it holds; the driver decides which version each rollout must use.
+
+With `rollout.name: vllm` the replica's copy feeds a vLLM engine that the replica owns (as
+the actor role does when colocated): `receive` loads the version into the copy, and the next
+`generate` pushes it into the running engine (with LoRA, merged into the base).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from hybrid_engine.batch import Batch
 from hybrid_engine.config import HybridConfig
 from hybrid_engine.models.loading import load_policy
 from hybrid_engine.models.lora import add_lora, lora_config
+from hybrid_engine.models.sharding import engine_weights
+from hybrid_engine.roles.workers import SYNC_KEYS, make_rollout
 from hybrid_engine.rollout.base import SamplingParams
 from hybrid_engine.rollout.hf import HFRollout
 
@@ -32,25 +38,32 @@ from hybrid_engine.rollout.hf import HFRollout
 class RolloutReplica:
     """Generation only: the policy's architecture, the trainer's weights of one version."""
 
-    def __init__(self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, cfg: HybridConfig, tokenizer: PreTrainedTokenizerBase, engines: dict | None = None
+    ) -> None:
         self.cfg = cfg
         self.policy = load_policy(cfg.model, tokenizer, cfg.trainer.seed).to(cfg.device)
+        self.lora = None
         if cfg.actor.lora.rank:  # the trainer's state dict holds the adapters beside the base
-            add_lora(self.policy, lora_config(cfg.actor.lora), cfg.trainer.seed)
+            self.lora = lora_config(cfg.actor.lora)
+            add_lora(self.policy, self.lora, cfg.trainer.seed)
         self.policy.requires_grad_(False)
-        self.rollout = HFRollout.build(cfg, self.policy, tokenizer)
+        self.rollout = make_rollout(cfg, self.policy, tokenizer, engines)
+        self.sync_key = next(SYNC_KEYS)  # whose weights a shared engine holds
         self.weights_version = -1  # none received yet: the first rollout loads version 0 too
 
     def configure(self, cfg: HybridConfig) -> None:
         self.cfg = cfg
-        self.rollout.configure(cfg)
+        if isinstance(self.rollout, HFRollout):
+            self.rollout.configure(cfg)
 
     @torch.no_grad()
     def receive(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Load the trainer's weights of `version` in place (with LoRA: the adapters); returns
         the seconds."""
         start = time.perf_counter()
-        self.rollout.drop_prefixes()
+        if isinstance(self.rollout, HFRollout):
+            self.rollout.drop_prefixes()
         missing, unexpected = self.policy.load_state_dict(state, strict=False)
         if self.cfg.actor.lora.rank:
             missing = [k for k in missing if ".lora_" in k]  # the base is the replica's own
@@ -67,12 +80,21 @@ class RolloutReplica:
         self.weights_version = -1
 
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        """Generate on the version received; an engine of its own (vllm) gets it pushed first
+        where it holds another (after `receive`, or a fresh engine after one died)."""
+        push_s = 0.0
+        if not isinstance(self.rollout, HFRollout):
+            mine = (self.sync_key, self.weights_version)
+            if self.rollout.synced_version != mine:
+                push_s = self.rollout.push(engine_weights(self.policy, self.lora), mine)
         out = self.rollout.generate(batch, sampling)
-        out.meta["reshard_s"] = 0.0
+        out.meta["reshard_s"] = push_s
+        if push_s:
+            out.meta["rollout_metrics"] = {"timing_s/weight_sync": push_s}
         return out
 
     def rollout_progress(self) -> dict[str, float] | None:
-        return self.rollout.progress()
+        return self.rollout.progress() if isinstance(self.rollout, HFRollout) else None
 
     def info(self) -> dict:
         return {"weights_version": self.weights_version}

@@ -166,7 +166,7 @@ class Worker(SlotsMixin):
             "actor": lambda cfg, tok: ActorRolloutRef(cfg, tok, self.engines),
             "critic": Critic,
             "rm": RewardModel,
-            "rollout": RolloutReplica,
+            "rollout": lambda cfg, tok: RolloutReplica(cfg, tok, self.engines),
         }
         self.roles = {}  # free the old models first
         self.roles = {r: make[r](self.cfg, tokenizer) for r in self.role_names}

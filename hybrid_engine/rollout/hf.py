@@ -260,9 +260,7 @@ def prefill(
     return logits, cache, mask
 
 
-@ROLLOUT_BACKENDS.register(
-    "hf", in_place=True, tensor_parallel=False, separate_group=True, single_turn_only=False
-)
+@ROLLOUT_BACKENDS.register("hf", in_place=True, tensor_parallel=False)
 class HFRollout:
     """Batched sampling with `decode` on the policy module (transformers, CPU or GPU)."""
 

