@@ -85,8 +85,7 @@ class RolloutReplica:
         push_s = 0.0
         if not isinstance(self.rollout, HFRollout):
             mine = (self.sync_key, self.weights_version)
-            if self.rollout.synced_version != mine:
-                push_s = self.rollout.push(engine_weights(self.policy, self.lora), mine)
+            push_s = self.rollout.sync(mine, lambda: engine_weights(self.policy, self.lora))
         out = self.rollout.generate(batch, sampling)
         out.meta["reshard_s"] = push_s
         if push_s:

@@ -161,9 +161,10 @@ class ActorRolloutRef:
         The log-prob gap to the trainer is measured later, on a forward the step runs anyway
         (the advantage stage's old log-probs, or the single on-policy update's own)."""
         metrics: dict[str, float] = {}
-        if self.rollout.synced_version != (mine := (self.sync_key, self.weights_version)):
-            weights = engine_weights(self.policy, self.lora)  # LoRA: merged into the base
-            metrics["timing_s/weight_sync"] = self.rollout.push(weights, mine)
+        mine = (self.sync_key, self.weights_version)
+        # LoRA: merged into the base
+        if push_s := self.rollout.sync(mine, lambda: engine_weights(self.policy, self.lora)):
+            metrics["timing_s/weight_sync"] = push_s
         out = self.rollout.generate(batch, sampling)
         out.meta["reshard_s"] = metrics.get("timing_s/weight_sync", 0.0)
         out.meta["rollout_metrics"] = metrics

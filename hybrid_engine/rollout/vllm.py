@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +312,11 @@ class VLLMRollout:
         n = int(mask.sum())
         out.meta.update(gen_tokens=n, gen_seconds=seconds, gen_tokens_per_s=n / max(seconds, 1e-9))
         return out
+
+    def sync(self, version: Any, weights: Callable[[], tuple[list[str], list[Any]]]) -> float:
+        """Push `weights()` as `version` unless the engine holds that version already (a
+        fresh engine after one died holds none); returns the push's seconds, 0 without one."""
+        return 0.0 if self.synced_version == version else self.push(weights(), version)
 
     def push(self, weights: tuple[list[str], list[Any]], version: int) -> float:
         """Weights `version` into the running engine; returns the seconds, transfer included."""
