@@ -106,3 +106,14 @@ def test_a_head_whose_record_was_lost_is_found_and_stopped(state):
     finally:
         kill_heads({port})
     assert not left, f"the head outlived stop_local_head: {left}"
+
+
+@pytest.mark.fast
+def test_ports_picked_together_are_distinct():
+    """A node's six ports, picked one at a time, once came out twice (Ray refused the node:
+    "metrics_export is trying to use a port number ... used by other components")."""
+    from hybrid_engine.pool.cluster import free_ports
+
+    for _ in range(20):
+        ports = free_ports(6)
+        assert len(set(ports)) == 6 and all(p > 0 for p in ports)

@@ -46,9 +46,17 @@ def state_dir() -> Path:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports: each socket stays bound until all are picked (one at a time,
+    the system may hand the same port out twice, and Ray refuses a port given to two parts)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _port_open(address: str, timeout: float = 1.0) -> bool:
@@ -126,7 +134,7 @@ def local_head(start: bool, num_cpus: int = 16, timeout_s: float = 120) -> str |
 
 
 def _start_head(num_cpus: int, timeout_s: float) -> str:
-    port = free_port()
+    port, dashboard = free_ports(2)
     temp_dir = _temp_dir("h")
     cmd = [
         str(Path(sys.executable).parent / "ray"),
@@ -137,7 +145,7 @@ def _start_head(num_cpus: int, timeout_s: float) -> str:
         f"--num-cpus={num_cpus}",
         "--disable-usage-stats",
         "--include-dashboard=false",
-        f"--dashboard-port={free_port()}",
+        f"--dashboard-port={dashboard}",
         f"--temp-dir={temp_dir}",
     ]
     env = {**RAY_ENV, **os.environ}  # the user's RAY_AUTH_MODE (e.g. token) wins
@@ -241,7 +249,7 @@ def add_local_node(
         "num_cpus": num_cpus,
         "resources": resources,
         "temp_dir": temp_dir,
-        "ports": {p: free_port() for p in ports},
+        "ports": dict(zip(ports, free_ports(len(ports)), strict=True)),
     }
     env = {**RAY_ENV, **os.environ}  # the head's auth mode, where the user set one
     env.pop("HYBRIDRL_FAULT", None)
