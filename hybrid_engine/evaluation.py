@@ -6,6 +6,8 @@ statistics a promotion gate checks.
     accuracy       share of questions the greedy response answers correctly
     pass@k         share of questions with at least one correct answer among k samples
                    (the unbiased estimator 1 - C(n-c, k) / C(n, k) with n = k samples)
+    mixed@k        share of questions with some but not all of the k samples correct: the
+                   prompt groups GRPO learns from (all right or all wrong: advantage 0)
     maj@k          share of questions whose most frequent extracted answer among the k
                    samples is correct (ties: the answer sampled first; no answer: wrong)
     format_rate    share of greedy responses with an extractable final answer
@@ -97,6 +99,13 @@ def validate(engine: Any, samples: int = 0) -> dict[str, Any]:
     return out
 
 
+def group_shares(scores: list[float], k: int) -> tuple[float, float]:
+    """pass@k and mixed@k of scores listed k per question, question after question."""
+    groups = [scores[i : i + k] for i in range(0, len(scores), k)]
+    right = [sum(s >= 1.0 for s in g) for g in groups]
+    return sum(r > 0 for r in right) / len(groups), sum(0 < r < k for r in right) / len(groups)
+
+
 @torch.no_grad()
 def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     """`eval/*` metrics of the policy `engine.actor` holds, on `engine.data.val`."""
@@ -121,10 +130,10 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
         [""] * len(s_texts), s_texts, [row for row in rows for _ in range(k)]
     )
     fmt = cfg.reward.answer_format
-    pass_k = maj_k = 0.0
+    pass_k, mixed_k = group_shares(s_scores, k)
+    maj_k = 0.0
     for i in range(len(rows)):
         group = list(range(i * k, (i + 1) * k))
-        pass_k += float(any(s_scores[j] >= 1.0 for j in group))
         answers = [extract_answer(s_texts[j], fmt) for j in group]
         votes = Counter(a for a in answers if a is not None)
         if votes:
@@ -134,8 +143,9 @@ def evaluate_policy(engine: Any, k: int) -> dict[str, float]:
     n = len(rows)
     return {
         "eval/accuracy": sum(s >= 1.0 for s in scores) / n,
-        f"eval/pass_at_{k}": pass_k / n,
+        f"eval/pass_at_{k}": pass_k,
         f"eval/maj_at_{k}": maj_k / n,
+        f"eval/mixed_at_{k}": mixed_k,
         "eval/format_rate": sum(format_correct(t, fmt) for t in texts) / n,
         "eval/response_length/mean": float(lengths.mean()),
         "eval/clip_ratio": float((lengths >= limit).float().mean()),

@@ -13,9 +13,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from hybrid_engine.algorithms.losses import band_clip_fractions  # noqa: E402
+from hybrid_engine.evaluation import group_shares  # noqa: E402
 from hybrid_engine.rewards import format_correct  # noqa: E402
 
 pytestmark = pytest.mark.fast
+
+
+def test_group_shares_count_questions_with_some_and_with_all_samples_right():
+    # k = 3: all right, one right, none right, two right (a partial score is not right)
+    scores = [1, 1, 1, 0, 1, 0, 0, 0, 0.5, 1, 0, 1.0]
+    assert group_shares(scores, 3) == (3 / 4, 2 / 4)
+    assert group_shares([1, 0], 1) == (1 / 2, 0.0)  # one sample: never mixed
 
 
 def test_format_correct_is_a_final_answer_the_scorer_can_read():

@@ -3,7 +3,9 @@ process: each run has its own slot in the workers (weights, optimizer, RNG; two 
 ranks), so two runs of
 different seeds whose steps interleave end with exactly the weights of each run alone; a
 run is refused at attach for a must-match field, past ray.max_runs and past
-ray.max_resident_gb; a run that detaches frees its slot."""
+ray.max_resident_gb (a run whose own state passes it; another bound than the pool's); a run
+that detaches frees its slot. Past the bound, parked slots are offloaded to disk and read
+back at their turn, and the runs still end as they would alone."""
 
 import json
 import os
@@ -92,7 +94,7 @@ def test_two_runs_interleaved_on_one_pool_each_end_as_they_would_alone():
     for worker in workers:
         runs = {r["run"]: r for r in worker["runs"]}
         assert set(runs) == {"a", "b"} and sum(r["active"] for r in runs.values()) == 1
-        assert all(r["resident_gb"] > 0 for r in runs.values())
+        assert all(r["state_gb"] > 0 for r in runs.values())
     from hybrid_engine.pool.sharing import runs_on
 
     attached = runs_on("sh")["runs"]
@@ -113,8 +115,9 @@ def test_two_runs_interleaved_on_one_pool_each_end_as_they_would_alone():
         claim_pool(cfg("sh", "c", "ray.max_runs=2", *share))
     with pytest.raises(PoolBusy, match="shared by its runs"):  # a run alone waits or is refused
         claim_pool(cfg("sh", "c"))
-    with pytest.raises(PoolError, match="ray.max_resident_gb=0.001"):
-        shared(cfg("sh", "c", "ray.max_resident_gb=0.001", *share))
+    with pytest.raises(PoolBusy, match="another ray.max_resident_gb"):
+        claim_pool(cfg("sh", "c", "ray.max_resident_gb=0.001", *share))
+    size = max(r["state_gb"] for w in workers for r in w["runs"])
     a.pool.claim.release()
     b.pool.claim.release()
     assert a.pool.status()[0]["runs"] == [] and runs_on("sh")["runs"] == []
@@ -122,3 +125,37 @@ def test_two_runs_interleaved_on_one_pool_each_end_as_they_would_alone():
     alone.step(1)
     assert alone.actor.weights_version == 1
     alone.pool.down(stop_head=False)
+    offloaded_runs(solo, size)
+
+
+def offloaded_runs(solo: dict, size: float) -> None:
+    """A bound that holds one run's state but not two: the parked run goes to disk."""
+    from hybrid_engine.pool.cluster import state_dir
+
+    with pytest.raises(PoolError, match=r"alone passes ray.max_resident_gb=1e-05"):
+        shared(cfg("off", "p", "ray.max_resident_gb=0.00001", "ray.when_busy=share"))
+    share = ["ray.when_busy=share", f"ray.max_resident_gb={size * 1.5}"]
+    a = shared(cfg("off", "a", "trainer.seed=1", *share))
+    b = shared(cfg("off", "b", "trainer.seed=2", *share))
+    disk = state_dir() / "offload" / "off"
+    for step in (1, 2):
+        a.step(step)
+        runs = {r["run"]: r for r in a.pool.status()[0]["runs"]}
+        assert runs["a"]["active"] and runs["b"]["offloaded"] and not runs["a"]["offloaded"]
+        assert len(list(disk.glob("actor-*/*.bin"))) == 2  # b's slot, in each FSDP rank
+        b.step(step)
+    from flows.cli.cluster import pool_status
+    from flows.cli.runs import console
+
+    with console.capture() as shown:
+        pool_status("off")
+    assert "parked on disk in 2 worker(s)" in shown.get(), shown.get()  # a, parked last
+    for engine, seed in ((a, 1), (b, 2)):
+        got = engine.actor.full_state_dict()
+        for k, v in solo[seed].items():
+            assert torch.equal(got[k], v), f"seed {seed}, offloaded: {k} differs from alone"
+    a.pool.claim.release()  # a parked run that leaves takes its file with it
+    assert not list(disk.glob("actor-*/*.bin"))
+    b.pool.claim.release()
+    b.pool.down(stop_head=False)
+    assert not disk.exists()

@@ -205,7 +205,7 @@ def pool_status(pool: PoolName = "default") -> None:
             f"{w['peak_rss_gb']:.2f}" if "peak_rss_gb" in w else "-",
             "ok" if healthy else Text(w.get("error") or "unhealthy", "red"),
         )
-    show_pool(table, pool)  # and the runs sharing it (ray.when_busy=share)
+    show_pool(table, pool, workers)  # and the runs sharing it (ray.when_busy=share)
     console.print(heads_line())
 
 

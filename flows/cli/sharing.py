@@ -11,8 +11,9 @@ from rich.text import Text
 from flows.cli.runs import console
 
 
-def run_line(r: dict[str, Any]) -> Text:
-    """One attached run: what it does now, then its turns, wait and held time so far."""
+def run_line(r: dict[str, Any], offloaded: int = 0) -> Text:
+    """One attached run: what it does now, then its turns, wait and held time so far, and in
+    how many workers its parked state is offloaded to disk (past ray.max_resident_gb)."""
     if r["active"]:
         now = f"holds the workers for {r['stage'] or 'a pool call'} ({r['turn_s']:.1f} s)"
     elif r["waiting_s"]:
@@ -26,10 +27,12 @@ def run_line(r: dict[str, Any]) -> Text:
         f"; {r['turns']} turns, waited {r['waited_s']:.1f} s, held {r['held_s']:.1f} s "
         f"({100 * r['share']:.0f}% of the workers' busy time)"
     )
+    if offloaded:
+        line.append(f"; parked on disk in {offloaded} worker(s)")
     return line
 
 
-def show_pool(table: Any, pool: str) -> None:
+def show_pool(table: Any, pool: str, workers: list[dict[str, Any]] = ()) -> None:
     """The workers' table, then the runs sharing the pool, if any, one line each."""
     from hybrid_engine.pool.sharing import runs_on
 
@@ -38,4 +41,10 @@ def show_pool(table: Any, pool: str) -> None:
     if runs:
         console.print(f"runs sharing pool {pool!r} (ray.when_busy=share):")
     for r in runs:
-        console.print(run_line(r), soft_wrap=True)
+        offloaded = sum(
+            s["offloaded"]
+            for w in workers
+            for s in w.get("runs", [])
+            if s.get("owner") == r.get("owner")
+        )
+        console.print(run_line(r, offloaded), soft_wrap=True)

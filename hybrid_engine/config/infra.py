@@ -308,7 +308,9 @@ class RayConfig(Section):
         16.0,
         gt=0,
         description="ray.when_busy=share: most GB of model and optimizer state a worker keeps "
-        "for all attached runs together; a run that would pass it is refused at attach",
+        "in memory for all attached runs together (the same for every run of the pool); past "
+        "it the runs parked longest are offloaded to the worker's disk until their turn; a run "
+        "whose own state passes it is refused at attach",
     )
     turn_slice_s: float = Field(
         600.0,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Iterator
 
@@ -271,8 +272,7 @@ class Pool:
 
 def join(group: WorkerGroup, cfg: HybridConfig) -> None:
     """A run sharing the pool gets its slot in each worker of `group` (`pool.slots`)."""
-    bound = cfg.ray.max_resident_gb * 1024**3
-    group.wait([h.join.remote(cfg, group.driver, bound) for h in group.handles], "join")
+    group.wait([h.join.remote(cfg, group.driver) for h in group.handles], "join")
 
 
 def pool_status(pool_name: str) -> list[dict]:
@@ -308,6 +308,7 @@ def down(pool_name: str, stop_head: bool = True, keep_claim: bool = False) -> li
     while find_workers(pool_name) and time.monotonic() < deadline:  # names are released
         time.sleep(0.1)
     placement.release(pool_name, list(placement.RESOURCES_KEY))  # every group a pool can have
+    shutil.rmtree(state_dir() / "offload" / pool_name, ignore_errors=True)  # runs' parked state
     others = [
         a
         for a in ray.util.list_named_actors(all_namespaces=True)

@@ -32,7 +32,6 @@ from hybrid_engine.models.lora import add_lora, lora_config
 from hybrid_engine.models.sharding import engine_weights
 from hybrid_engine.roles.workers import SYNC_KEYS, make_rollout
 from hybrid_engine.rollout.base import SamplingParams
-from hybrid_engine.rollout.hf import HFRollout
 
 
 class RolloutReplica:
@@ -54,16 +53,14 @@ class RolloutReplica:
 
     def configure(self, cfg: HybridConfig) -> None:
         self.cfg = cfg
-        if isinstance(self.rollout, HFRollout):
-            self.rollout.configure(cfg)
+        self.rollout.configure(cfg)
 
     @torch.no_grad()
     def receive(self, state: dict[str, torch.Tensor], version: int) -> float:
         """Load the trainer's weights of `version` in place (with LoRA: the adapters); returns
         the seconds."""
         start = time.perf_counter()
-        if isinstance(self.rollout, HFRollout):
-            self.rollout.drop_prefixes()
+        self.rollout.end_rollout()
         missing, unexpected = self.policy.load_state_dict(state, strict=False)
         if self.cfg.actor.lora.rank:
             missing = [k for k in missing if ".lora_" in k]  # the base is the replica's own
@@ -82,10 +79,8 @@ class RolloutReplica:
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
         """Generate on the version received; an engine of its own (vllm) gets it pushed first
         where it holds another (after `receive`, or a fresh engine after one died)."""
-        push_s = 0.0
-        if not isinstance(self.rollout, HFRollout):
-            mine = (self.sync_key, self.weights_version)
-            push_s = self.rollout.sync(mine, lambda: engine_weights(self.policy, self.lora))
+        mine = (self.sync_key, self.weights_version)
+        push_s = self.rollout.sync(mine, lambda: engine_weights(self.policy, self.lora))
         out = self.rollout.generate(batch, sampling)
         out.meta["reshard_s"] = push_s
         if push_s:
@@ -93,7 +88,7 @@ class RolloutReplica:
         return out
 
     def rollout_progress(self) -> dict[str, float] | None:
-        return self.rollout.progress() if isinstance(self.rollout, HFRollout) else None
+        return self.rollout.progress()
 
     def info(self) -> dict:
         return {"weights_version": self.weights_version}

@@ -47,7 +47,8 @@ class SharedClaim(PoolClaim):
             "slice_s": r.turn_slice_s,
         }
         self.owner = self.who["owner"]
-        self.spec = shared_spec(pool_spec(cfg))
+        # the workers' bound is the pool's: every run must give the same
+        self.spec = shared_spec(pool_spec(cfg)) | {"ray.max_resident_gb": r.max_resident_gb}
         self.groups: list[Any] = []  # the pool's worker groups (`bind`)
         self._lock = threading.Lock()
         self._depth = 0

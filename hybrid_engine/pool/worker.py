@@ -178,7 +178,8 @@ class Worker(SlotsMixin):
         clip ratios, sampling, ...); `pool_spec` guards the rest."""
         if pool_spec(cfg) != self.spec:
             raise PoolError("configure: the pool spec differs")
-        self.slots.clear()  # a run alone on the pool: runs that shared it before are gone
+        for owner in list(self.slots):  # a run alone on the pool: runs that shared it are gone
+            self.drop(owner)
         self.driver = driver
         import_plugins(cfg.algorithm.plugins)
         self.cfg = cfg

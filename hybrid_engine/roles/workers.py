@@ -54,9 +54,7 @@ from hybrid_engine.roles.updates import (
     model_device,
     ppo_updates,
 )
-from hybrid_engine.rollout.base import SamplingParams
-from hybrid_engine.rollout.hf import HFRollout
-from hybrid_engine.rollout.vllm import VLLMRollout
+from hybrid_engine.rollout.base import RolloutBackend, SamplingParams
 from hybrid_engine.staleness import sampled_at
 from hybrid_engine.step_metrics import gap_summary
 
@@ -140,14 +138,13 @@ class ActorRolloutRef:
     def configure(self, cfg: HybridConfig) -> None:
         """A run's settings that leave models and optimizer as they are."""
         self.cfg = cfg
-        if isinstance(self.rollout, HFRollout):
-            self.rollout.configure(cfg)
+        self.rollout.configure(cfg)
 
     # ------------------------------------------------------------------ rollout
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
         """Reshard (gather full weights) if needed, generate, release the full weights."""
-        if isinstance(self.rollout, VLLMRollout):
-            return self._generate_vllm(batch, sampling)
+        if self.rollout_weights is None:  # the backend holds its own copy (vllm)
+            return self._generate_pushed(batch, sampling)
         reshard_s = self.rollout_weights.gather(self.weights_version)
         try:
             out = self.rollout.generate(batch, sampling)
@@ -156,7 +153,7 @@ class ActorRolloutRef:
         out.meta["reshard_s"] = reshard_s
         return out
 
-    def _generate_vllm(self, batch: Batch, sampling: SamplingParams) -> Batch:
+    def _generate_pushed(self, batch: Batch, sampling: SamplingParams) -> Batch:
         """Push the weights into the running engine if their version moved, and generate.
         The log-prob gap to the trainer is measured later, on a forward the step runs anyway
         (the advantage stage's old log-probs, or the single on-policy update's own)."""
@@ -192,8 +189,7 @@ class ActorRolloutRef:
 
     def _end_rollout(self) -> None:
         """The training side takes the model: the rollout's prefix cache is freed."""
-        if isinstance(self.rollout, HFRollout):
-            self.rollout.drop_prefixes()
+        self.rollout.end_rollout()
 
     def _temp(self, batch: Batch) -> float | torch.Tensor:
         """The temperature the batch's tokens were sampled at: per token where the rollout
@@ -356,7 +352,7 @@ class ActorRolloutRef:
 
     def rollout_progress(self) -> dict[str, float] | None:
         """The generate call running now: response tokens so far and seconds (hf only)."""
-        return self.rollout.progress() if isinstance(self.rollout, HFRollout) else None
+        return self.rollout.progress()
 
     def info(self) -> dict:
         rw = self.rollout_weights
@@ -373,7 +369,7 @@ class ActorRolloutRef:
 
 def make_rollout(
     cfg: HybridConfig, module: nn.Module, tokenizer: PreTrainedTokenizerBase, engines: dict | None
-) -> Any:
+) -> RolloutBackend:
     """The rollout backend registered as `rollout.name`, built for this policy; a backend
     with an engine of its own (vllm) takes a running one from `engines` where it fits."""
     backend = ROLLOUT_BACKENDS[cfg.rollout.name]

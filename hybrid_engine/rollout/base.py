@@ -3,11 +3,16 @@ from sampled ids. The contract: `generate(batch, sampling) -> Batch`.
 
 Input batch: `prompt_ids` (left padded) and `prompt_mask`.
 Output adds: `response_ids` (right padded), `response_mask` (1 up to and including EOS),
-`input_ids` / `attention_mask` (prompt + response), and in meta the token counts and speed."""
+`input_ids` / `attention_mask` (prompt + response), and in meta the token counts and speed.
+
+Every backend has the method set of `RolloutBackend`, so the roles that own one (the actor,
+a rollout replica) call it without asking which backend it is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +42,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class RolloutBackend(Protocol):
+    """A registered backend (`ROLLOUT_BACKENDS`); `build(cfg, module, tokenizer)` makes one."""
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch: ...
+
+    def configure(self, cfg: Any) -> None:
+        """A run's rollout settings on an existing backend (a reused pool)."""
+
+    def end_rollout(self) -> None:
+        """The rollout stage is over: free what only generation uses (a prefix cache)."""
+
+    def sync(self, version: Any, weights: Callable[[], tuple[list[str], list[Any]]]) -> float:
+        """Make the backend generate from `version` (`weights()` gives its names and arrays);
+        returns the seconds a push took, 0 when none was needed."""
+
+    def progress(self) -> dict[str, float] | None:
+        """The generate call running now: response tokens so far and seconds; None if none
+        runs or the backend cannot tell."""
 
 
 # what a generate call with the prefix cache reports in its meta: context tokens looked up,

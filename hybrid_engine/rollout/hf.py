@@ -294,11 +294,15 @@ class HFRollout:
         self.continuous_batching = cfg.rollout.continuous_batching
         self.prefixes = prefix_cache_for(self.model, cfg.rollout.prefix_cache_mb)
 
-    def drop_prefixes(self) -> None:
+    def end_rollout(self) -> None:
         """Free the prefix cache: the rollout stage is over (the weights are about to be used,
         or changed, by something else)."""
         if self.prefixes is not None:
             self.prefixes.clear()
+
+    def sync(self, version: Any, weights: Callable[[], tuple[list[str], list[Any]]]) -> float:
+        """Nothing to push: this backend generates from the module it was built on."""
+        return 0.0
 
     def _count(self, tokens: int) -> None:
         self.tokens_so_far += tokens

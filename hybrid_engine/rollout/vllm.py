@@ -313,6 +313,17 @@ class VLLMRollout:
         out.meta.update(gen_tokens=n, gen_seconds=seconds, gen_tokens_per_s=n / max(seconds, 1e-9))
         return out
 
+    def configure(self, cfg: Any) -> None:
+        """Nothing to change: the settings a run may change here (the batch size, the prefix
+        cache) are hf's; the engine's own are fixed when it starts."""
+
+    def end_rollout(self) -> None:
+        """Nothing to free: the engine runs in its own process, prefix caching off."""
+
+    def progress(self) -> dict[str, float] | None:
+        """Not known while the engine's call runs (one blocking call)."""
+        return None
+
     def sync(self, version: Any, weights: Callable[[], tuple[list[str], list[Any]]]) -> float:
         """Push `weights()` as `version` unless the engine holds that version already (a
         fresh engine after one died holds none); returns the push's seconds, 0 without one."""
