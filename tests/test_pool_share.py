@@ -133,11 +133,11 @@ def offloaded_runs(solo: dict, size: float) -> None:
     from hybrid_engine.pool.cluster import state_dir
 
     with pytest.raises(PoolError, match=r"alone passes ray.max_resident_gb=1e-05"):
-        shared(cfg("off", "p", "ray.max_resident_gb=0.00001", "ray.when_busy=share"))
+        shared(cfg("offload", "p", "ray.max_resident_gb=0.00001", "ray.when_busy=share"))
     share = ["ray.when_busy=share", f"ray.max_resident_gb={size * 1.5}"]
-    a = shared(cfg("off", "a", "trainer.seed=1", *share))
-    b = shared(cfg("off", "b", "trainer.seed=2", *share))
-    disk = state_dir() / "offload" / "off"
+    a = shared(cfg("offload", "a", "trainer.seed=1", *share))
+    b = shared(cfg("offload", "b", "trainer.seed=2", *share))
+    disk = state_dir() / "offload" / "offload"
     for step in (1, 2):
         a.step(step)
         runs = {r["run"]: r for r in a.pool.status()[0]["runs"]}
@@ -148,7 +148,7 @@ def offloaded_runs(solo: dict, size: float) -> None:
     from flows.cli.runs import console
 
     with console.capture() as shown:
-        pool_status("off")
+        pool_status("offload")
     assert "parked on disk in 2 worker(s)" in shown.get(), shown.get()  # a, parked last
     for engine, seed in ((a, 1), (b, 2)):
         got = engine.actor.full_state_dict()

@@ -221,17 +221,22 @@ class SlotsMixin:
 
         owner = driver["owner"]
         self.sharing = True  # emptied by a run that leaves, it is still healthy
-        if self.active_owner == owner or owner in self.slots:
+        bound = cfg.ray.max_resident_gb * 1024**3
+        line = f"ray.max_resident_gb={cfg.ray.max_resident_gb:g}"
+        where = f"pool {cfg.ray.pool_name!r}: worker {self.group}-{self.rank}"
+        if self.active_owner == owner or owner in self.slots:  # the pool's first run, built
             self.activate(owner)
             import_plugins(cfg.algorithm.plugins)
             self.cfg, self.driver = cfg, driver
             for role in self.roles.values():
                 role.configure(cfg)
+            if self.nbytes > bound:
+                raise PoolError(
+                    f"{where}: run {driver['run']}'s state ({self.nbytes / 1024**3:.3f} GB) "
+                    f"alone passes {line}: it could not be resident at its turn"
+                )
             return self.nbytes
         have = [s.nbytes for s in self.slots.values()] + ([self.nbytes] if self.roles else [])
-        bound = cfg.ray.max_resident_gb * 1024**3
-        line = f"ray.max_resident_gb={cfg.ray.max_resident_gb:g}"
-        where = f"pool {cfg.ray.pool_name!r}: worker {self.group}-{self.rank}"
         total = sum(have) + max(have, default=0)  # one more run about the size of the others
         if have and total > bound:  # slots past the bound go to disk: it must hold them
             self.offload_dir().mkdir(parents=True, exist_ok=True)
