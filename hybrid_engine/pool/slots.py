@@ -108,6 +108,15 @@ def restore(held: list[tuple[torch.UntypedStorage, int]], path: Path) -> None:
     path.unlink()
 
 
+def too_big(where: str, run: str, size: int, bound: str) -> Exception:
+    from hybrid_engine.pool.cluster import PoolError
+
+    return PoolError(
+        f"{where}: run {run}'s state ({size / 1024**3:.3f} GB) alone passes {bound}: it could "
+        "not be resident at its turn"
+    )
+
+
 @dataclass
 class Slot:
     """A parked run: what `Worker` holds for it while another run's stage runs."""
@@ -231,10 +240,7 @@ class SlotsMixin:
             for role in self.roles.values():
                 role.configure(cfg)
             if self.nbytes > bound:
-                raise PoolError(
-                    f"{where}: run {driver['run']}'s state ({self.nbytes / 1024**3:.3f} GB) "
-                    f"alone passes {line}: it could not be resident at its turn"
-                )
+                raise too_big(where, driver["run"], self.nbytes, line)
             return self.nbytes
         have = [s.nbytes for s in self.slots.values()] + ([self.nbytes] if self.roles else [])
         total = sum(have) + max(have, default=0)  # one more run about the size of the others
@@ -257,10 +263,7 @@ class SlotsMixin:
         if self.nbytes > bound:
             size = self.nbytes
             self.roles, self.driver, self.nbytes = {}, None, 0
-            raise PoolError(
-                f"{where}: run {driver['run']}'s state ({size / 1024**3:.3f} GB) alone passes "
-                f"{line}: it could not be resident at its turn"
-            )
+            raise too_big(where, driver["run"], size, line)
         self._fit(0)
         return self.nbytes
 
